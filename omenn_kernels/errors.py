@@ -1,0 +1,39 @@
+"""Exceptions raised by omenn_kernels.
+
+Every error names what is wrong and, where it comes from the model, where in the
+model it happens, so that a user can fix the model or the call.
+"""
+
+from __future__ import annotations
+
+
+class OmennError(Exception):
+    """Base class of every error raised by omenn_kernels."""
+
+
+class CaptureError(OmennError, RuntimeError):
+    """The model's forward could not be captured as a graph by ``torch.export``."""
+
+
+class UnsupportedOpError(OmennError, NotImplementedError):
+    """An operation of the model has no OMENN rule, or is used in a way no rule covers.
+
+    Attributes:
+        op: the aten operation, e.g. ``"aten.mul.Tensor"``.
+        module_path: dotted path of the submodule where it occurs (``""`` for the root).
+        rule_kind: the kind of rule it would need, in the words of the rule book.
+    """
+
+    def __init__(self, message: str, *, op: str, module_path: str, rule_kind: str) -> None:
+        super().__init__(message)
+        self.op = op
+        self.module_path = module_path
+        self.rule_kind = rule_kind
+
+
+class InputError(OmennError, ValueError):
+    """The input tensor is not something a vision model can be explained on."""
+
+
+class TargetError(OmennError, ValueError):
+    """The target (class index, indices or read-out weights) does not fit the model's output."""
