@@ -37,3 +37,7 @@ class InputError(OmennError, ValueError):
 
 class TargetError(OmennError, ValueError):
     """The target (class index, indices or read-out weights) does not fit the model's output."""
+
+
+class InputTypeError(OmennError, TypeError):
+    """The input is not a floating-point tensor of the model's dtype."""

@@ -1,0 +1,210 @@
+"""The public API: ``explain``, ``Explainer`` and ``Explanation``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, Union
+
+import numpy as np
+import torch
+
+from . import backends
+from .capture import capture
+from .errors import InputError, InputTypeError, TargetError
+from .linearize import LinearizedProgram, linearize
+
+Target = Union[int, Sequence[int], torch.Tensor, None]
+
+
+@dataclass
+class Explanation:
+    """The OMENN explanation of one read-out of the logits, for a batch of images.
+
+    Attributes:
+        contribution: ``C`` (B, H, W) = ``Σ_c C_w ⊙ X + C_b``; sums to ``logit`` per image.
+        weight: ``C_w`` (B, C, H, W), the weight representation (``∂ŷ/∂X`` of the
+            linearized network).
+        bias: ``C_b`` (B, H, W), the bias representation (what the biases contribute,
+            routed through the ones channel to each pixel).
+        logit: (B,) the explained read-out ``ŷ`` of the model's output, computed in the
+            explanation's forward pass by the model's own operations in eval semantics
+            (equal to ``model.eval()(x)`` up to floating-point rounding).
+        target: (B,) class indices, or (B, K) read-out weights, that were explained.
+    """
+
+    contribution: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    logit: torch.Tensor
+    target: torch.Tensor
+
+    def completeness_error(self) -> torch.Tensor:
+        """Per image, ``|Σ C − ŷ| / |ŷ|``: how far the explanation is from summing to the logit."""
+        total = self.contribution.flatten(1).sum(1)
+        return (total - self.logit).abs() / self.logit.abs().clamp_min(torch.finfo(self.logit.dtype).tiny)
+
+
+def _check_input(x: object, model: torch.nn.Module) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"the input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 4:
+        raise InputError(f"the input must be an image batch of shape (B, C, H, W); got {x.dim()} "
+                         f"dimensions, shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise InputTypeError(f"the input must be a floating-point tensor; got dtype {x.dtype}")
+    if x.shape[0] == 0:
+        raise InputError("the input batch is empty")
+    reference = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if reference is not None and reference.device != x.device:
+        raise InputError(f"the input is on device '{x.device}' but the model's parameters are on "
+                         f"'{reference.device}'; move one of them")
+    if reference is not None and reference.dtype != x.dtype:
+        raise InputTypeError(f"the input has dtype {x.dtype} but the model's parameters are "
+                             f"{reference.dtype}; convert one of them")
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise InputError(f"the input contains {bad} NaN or Inf values; OMENN explains finite inputs only")
+    return x
+
+
+def _readout(target: Target, batch: int, classes: int, device: torch.device) -> torch.Tensor | None:
+    """Normalize ``target`` to (B,) class indices or (B, K) read-out weights (None: predicted class)."""
+    if target is None:
+        return None
+    if isinstance(target, bool):
+        raise TargetError("the target must be a class index, indices or read-out weights, not a bool")
+    if isinstance(target, (list, tuple, np.ndarray)):
+        target = torch.as_tensor(np.asarray(target))
+    if isinstance(target, int):
+        target = torch.tensor(target)
+    if not isinstance(target, torch.Tensor):
+        raise TargetError(f"unsupported target type {type(target).__name__}; use an int, a (B,) "
+                          "integer tensor, or (K,) / (B, K) read-out weights")
+    target = target.to(device)
+    if target.dtype == torch.bool:
+        raise TargetError("the target must be class indices or read-out weights, not a bool tensor")
+    if not target.is_floating_point():
+        indices = target.long().reshape(-1) if target.dim() <= 1 else None
+        if indices is None:
+            raise TargetError(f"integer targets must be a class index or (B,) indices; got shape "
+                              f"{tuple(target.shape)}")
+        if target.dim() == 0:
+            indices = indices.expand(batch)
+        if indices.numel() != batch:
+            raise TargetError(f"got {indices.numel()} target indices for a batch of {batch} images")
+        if bool(((indices < 0) | (indices >= classes)).any()):
+            raise TargetError(f"target class out of range: got {indices.tolist()}, the model has "
+                              f"{classes} classes (valid: 0..{classes - 1})")
+        return indices
+    if target.dim() == 1 and target.numel() == classes:
+        target = target.expand(batch, classes)
+    if target.dim() != 2 or tuple(target.shape) != (batch, classes):
+        raise TargetError(f"read-out weights must have shape ({classes},) or ({batch}, {classes}); "
+                          f"got {tuple(target.shape)}")
+    if not bool(torch.isfinite(target).all()):
+        raise TargetError("read-out weights contain NaN or Inf")
+    return target
+
+
+class Explainer:
+    """Explains a model with OMENN, capturing and linearizing it once per input signature.
+
+    The model is captured in eval semantics (BatchNorm running statistics, no dropout)
+    whatever its ``training`` flag, and is left unchanged: parameters, flags, hooks and
+    buffers are as before. Parameters are read at every call, so the explanations
+    follow training; changing the model's structure needs a new ``Explainer``.
+
+    Args:
+        model: any ``nn.Module`` whose forward maps one (B, C, H, W) tensor to (B, K) logits.
+        backend: ``"reference"`` (pure PyTorch) or ``"auto"``.
+
+    Example:
+        >>> explainer = Explainer(model)
+        >>> e = explainer(images, target=3)
+        >>> e.contribution.sum((1, 2))  # == e.logit
+    """
+
+    def __init__(self, model: torch.nn.Module, *, backend: str = "reference") -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.backend = backend
+        self._run = backends.resolve(backend)
+        self._programs: dict[tuple, tuple[LinearizedProgram, int]] = {}
+
+    def program(self, x: torch.Tensor) -> tuple[LinearizedProgram, int]:
+        """The linearized program for ``x``'s signature and the model's number of classes."""
+        key = (tuple(x.shape), x.dtype, x.device)
+        if key not in self._programs:
+            captured = capture(self.model, x)
+            program = linearize(captured)
+            output = next(n for n in captured.graph.nodes if n.name == captured.output_name)
+            shape = tuple(output.meta["val"].shape)
+            if len(shape) != 2:
+                raise InputError(f"the model's output has shape {shape}; explain needs (batch, "
+                                 "num_classes) logits")
+            self._programs[key] = (program, shape[1])
+        return self._programs[key]
+
+    def __call__(self, x: torch.Tensor, target: Target = None) -> Explanation:
+        """Explain ``target`` for the batch ``x``.
+
+        Args:
+            x: (B, C, H, W) floating-point images on the model's device and dtype.
+            target: an int class, (B,) integer classes, (K,) or (B, K) read-out weights
+                (e.g. ``e_a − e_b`` for a contrastive explanation), or None for each
+                image's predicted class.
+        """
+        x = _check_input(x, self.model)
+        program, classes = self.program(x)
+        readout = _readout(target, x.shape[0], classes, x.device)
+        weight, bias, logit, explained = self._run(program, self.model, x, readout)
+        contribution = (weight * x).sum(1) + bias
+        return Explanation(contribution.detach(), weight.detach(), bias.detach(), logit, explained)
+
+    def attribute(self, inputs: torch.Tensor, target: Target = None) -> torch.Tensor:
+        """Captum-style attributions (B, C, H, W): ``C_w ⊙ X + C_b / C`` per channel.
+
+        The bias part is spread evenly over the channels, so the attributions of an image
+        still sum to its explained logit.
+        """
+        e = self(inputs, target)
+        return e.weight * inputs + e.bias.unsqueeze(1) / inputs.shape[1]
+
+
+def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
+            backend: str = "reference") -> Explanation:
+    """Explain ``model`` on ``x`` for ``target`` with OMENN (one capture, one forward, one backward).
+
+    Args:
+        model: any ``nn.Module`` mapping a (B, C, H, W) tensor to (B, K) logits.
+        x: (B, C, H, W) floating-point images on the model's device and dtype.
+        target: an int class, (B,) integer classes, (K,) or (B, K) read-out weights, or
+            None for each image's predicted class.
+        backend: ``"reference"`` or ``"auto"``.
+
+    Returns:
+        The :class:`Explanation`; ``contribution.sum((1, 2)) == logit`` up to rounding.
+
+    Raises:
+        InputError, InputTypeError: a malformed input. TargetError: a target that does
+        not fit the model's output. UnsupportedOpError: an operation with no rule.
+        CaptureError: a forward torch.export cannot capture.
+    """
+    return Explainer(model, backend=backend)(x, target)
+
+
+def quantus_explain(model: torch.nn.Module, inputs, targets, **kwargs) -> np.ndarray:
+    """A Quantus ``explain_func``: OMENN attributions as a numpy array (B, C, H, W).
+
+    Accepts numpy arrays or tensors; extra Quantus keyword arguments are ignored except
+    ``reduce_channels=True``, which returns the contribution map as (B, 1, H, W).
+    """
+    reference = next(model.parameters())
+    x = torch.as_tensor(inputs, dtype=reference.dtype, device=reference.device)
+    target = torch.as_tensor(np.asarray(targets), device=reference.device).long().reshape(-1)
+    explainer = Explainer(model, backend=kwargs.get("backend", "reference"))
+    if kwargs.get("reduce_channels", False):
+        return explainer(x, target).contribution.unsqueeze(1).cpu().numpy()
+    return explainer.attribute(x, target).detach().cpu().numpy()

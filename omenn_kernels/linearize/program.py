@@ -1,0 +1,144 @@
+"""The graph walker: from a captured aten graph to a linearized program.
+
+One pass classifies every node, asking the rule registry about each operation:
+
+* CONST — does not depend on the input: computed normally.
+* GATE — depends on the input but is held constant (R5): a gate operation whose
+  result only multiplies, and everything that only feeds gates (``QKᵀ`` and the
+  query/key projections of attention, the squeeze-excitation branch).
+* LIVE — carries a ones channel: computed by the operation's rule.
+
+Every LIVE node must have a rule; a missing one is reported before anything runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from ..capture import CapturedModel, module_path
+from .registry import Rule, lookup, unsupported
+
+
+class Kind(Enum):
+    CONST = "const"
+    GATE = "gate"
+    LIVE = "live"
+
+
+@dataclass
+class Step:
+    """One node of the program with its classification and rule."""
+
+    node: torch.fx.Node
+    kind: Kind
+    rule: Rule | None
+    module_path: str
+
+
+@dataclass
+class LinearizedProgram:
+    """A captured graph with a rule (or a constant evaluation) for every node."""
+
+    captured: CapturedModel
+    steps: list[Step]
+
+
+def _positions(user: torch.fx.Node, node: torch.fx.Node) -> set[int]:
+    """Schema positions at which ``node`` is an argument of ``user`` (nested lists included)."""
+    found: set[int] = set()
+    for index, arg in enumerate(user.args):
+        if arg is node or (isinstance(arg, (list, tuple)) and node in arg):
+            found.add(index)
+    names = [a.name for a in user.target._schema.arguments] if hasattr(user.target, "_schema") else []
+    for name, arg in user.kwargs.items():
+        if arg is node or (isinstance(arg, (list, tuple)) and node in arg):
+            found.add(names.index(name) if name in names else -1)
+    return found
+
+
+def _inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return list(node.all_input_nodes)
+
+
+def _only_multiplies(node: torch.fx.Node, dependent: set[torch.fx.Node]) -> bool:
+    """Whether every use of ``node`` ends as a factor of a product (the R5 gate condition).
+
+    Uses are followed through operations whose only input-dependent operand is the
+    gate itself (views, dropout, scaling by constants).
+    """
+    for user in node.users:
+        if user.op != "call_function":
+            return False
+        rule = lookup(user.target)
+        positions = _positions(user, node)
+        if rule is not None and positions <= set(rule.factor_args):
+            continue
+        if rule is not None and rule.transparent and positions == {0}:
+            if not _only_multiplies(user, dependent):
+                return False
+            continue
+        others = [n for n in _inputs(user) if n in dependent and n is not node]
+        if others or not _only_multiplies(user, dependent):
+            return False
+    return True
+
+
+def linearize(captured: CapturedModel) -> LinearizedProgram:
+    """Classify every node of the captured graph and check that each LIVE one has a rule.
+
+    Raises:
+        UnsupportedOpError: an input-dependent operation has no rule, naming the aten op,
+            the module path and the kind of rule it would need.
+    """
+    nodes = list(captured.graph.nodes)
+    dependent: set[torch.fx.Node] = set()
+    for node in nodes:
+        if node.name == captured.input_name or any(n in dependent for n in _inputs(node)):
+            if node.op != "output":
+                dependent.add(node)
+
+    gates: set[torch.fx.Node] = set()
+    for node in nodes:
+        rule = lookup(node.target) if node in dependent and node.op == "call_function" else None
+        if rule is not None and rule.may_gate and (not rule.live or _only_multiplies(node, dependent)):
+            gates.add(node)
+
+    # What only feeds gates (or gate arguments such as attention's Q and K) is a gate too.
+    feeds_gates: set[torch.fx.Node] = set()
+    for node in reversed(nodes):
+        if node not in dependent or node in gates or node.op != "call_function":
+            continue
+        if node.users and all(_feeds_gate(user, node, gates, feeds_gates) for user in node.users):
+            feeds_gates.add(node)
+
+    steps: list[Step] = []
+    live: set[torch.fx.Node] = set()
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        path = module_path(node)
+        held = gates | feeds_gates
+        if node not in dependent:
+            steps.append(Step(node, Kind.CONST, None, path))
+        elif node in held or not any(n in live or n.name == captured.input_name for n in _inputs(node)):
+            steps.append(Step(node, Kind.GATE, None, path))
+        else:
+            rule = lookup(node.target)
+            if rule is None:
+                raise unsupported(node.target, path, "this operation depends on the input and has no "
+                                  "OMENN rule")
+            live.add(node)
+            steps.append(Step(node, Kind.LIVE, rule, path))
+    return LinearizedProgram(captured, steps)
+
+
+def _feeds_gate(user: torch.fx.Node, node: torch.fx.Node, gates: set, feeds_gates: set) -> bool:
+    if user in gates or user in feeds_gates:
+        return True
+    if user.op != "call_function":
+        return False
+    rule = lookup(user.target)
+    return rule is not None and bool(rule.gate_args) and _positions(user, node) <= set(rule.gate_args)

@@ -1,0 +1,138 @@
+"""The registry of linearization rules, keyed by aten operation.
+
+A rule says how one aten operation acts on LIVE values and their ones channel.
+Rules live in one module per op family (``omenn_kernels.linearize.rules.*``);
+the graph walker only asks this registry, it knows no operation by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..errors import UnsupportedOpError
+
+OpKey = Any  # torch._ops.OpOverload or a Python callable such as operator.getitem
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one operation is linearized.
+
+    Attributes:
+        name: the rule book's entry, e.g. ``"R2 convolution"``.
+        reference: ``reference(op, *args, **kwargs)``; arguments are Live, Gate or
+            CONST values, the result is Live (or a tuple/list containing Live).
+        factor_args: argument positions where a Gate/CONST operand only scales a
+            LIVE operand (multiplications): a gate may end there.
+        gate_args: argument positions consumed only through a gate (the query and
+            key of attention): what feeds them needs no ones channel.
+        may_gate: the operation (softmax, sigmoid) is a gate when every use of its
+            result ends in a ``factor_args`` position; it is then held constant.
+        transparent: structure-only operation (view, permute, ...): a gate passing
+            through it is still a gate.
+        live: False when the operation has no linear form at all (softmax): a LIVE
+            use of its result is an error.
+    """
+
+    name: str
+    reference: Callable[..., Any] | None
+    factor_args: tuple[int, ...] = ()
+    gate_args: tuple[int, ...] = ()
+    may_gate: bool = False
+    transparent: bool = False
+    live: bool = True
+
+
+_RULES: dict[OpKey, Rule] = {}
+
+
+def register(ops: Iterable[OpKey], rule: Rule) -> Rule:
+    """Register ``rule`` for each operation (OpOverload or OpOverloadPacket) in ``ops``."""
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            for overload in op.overloads():
+                if not overload.endswith("out"):  # out= variants never occur in captured graphs
+                    _RULES[getattr(op, overload)] = rule
+        else:
+            _RULES[op] = rule
+    return rule
+
+
+class RuleError(Exception):
+    """Raised by a rule when its operands are of kinds it cannot linearize.
+
+    The graph walker turns it into an :class:`UnsupportedOpError` naming the op and
+    the module path.
+    """
+
+    def __init__(self, why: str, rule_kind: str) -> None:
+        super().__init__(why)
+        self.why = why
+        self.rule_kind = rule_kind
+
+
+def arguments(op: OpKey, args: tuple, kwargs: dict) -> list:
+    """All arguments of an aten call in schema order, defaults filled in."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return list(args)
+    bound = list(args)
+    for spec in op._schema.arguments[len(args):]:
+        if spec.name in kwargs:
+            bound.append(kwargs[spec.name])
+        elif spec.has_default_value():
+            bound.append(spec.default_value)
+        else:
+            bound.append(None)
+    return bound
+
+
+def lookup(op: OpKey) -> Rule | None:
+    """The rule registered for ``op``, or None."""
+    return _RULES.get(op)
+
+
+def registered_ops() -> list[str]:
+    """Names of every operation with a rule (for documentation and tests)."""
+    return sorted(op_name(op) for op in _RULES)
+
+
+def op_name(op: OpKey) -> str:
+    """A readable name such as ``aten.conv2d.default``."""
+    if isinstance(op, torch._ops.OpOverload):
+        return f"aten.{op._schema.name.split('::')[-1]}.{op._overloadname}"
+    return getattr(op, "__name__", str(op))
+
+
+def needed_rule_kind(op: OpKey) -> str:
+    """The kind of rule an operation without one would need, from its schema and tags."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return "a rule for this Python callable"
+    tags = set(op.tags)
+    schema = op._schema
+    tensor_inputs = [a for a in schema.arguments if str(a.type).startswith("Tensor")]
+    if torch.Tag.pointwise in tags and len(tensor_inputs) == 1:
+        return "an elementwise activation rule (R4: f(0)·O + x·ξ(x))"
+    if torch.Tag.pointwise in tags:
+        return "an arithmetic rule (R7–R9: sums, constant scaling; products of two LIVE tensors are unsupported)"
+    if torch.Tag.view_copy in tags or any(a.alias_info is not None for a in schema.returns):
+        return "a structure rule (R10: the same operation applied to the ones channel)"
+    if "pool" in schema.name or "upsample" in schema.name or "interp" in schema.name:
+        return "a pooling/interpolation rule (R13/R14: the ones pooled and renormalized)"
+    if "norm" in schema.name:
+        return "a normalization rule (R3/R3': 1/σ detached, β carried by the ones)"
+    return "a new rule: a linear form of this operation in its LIVE inputs with the ones channel"
+
+
+def unsupported(op: OpKey, module_path: str, why: str, rule_kind: str | None = None) -> UnsupportedOpError:
+    """Build the error for an operation the linearization cannot handle."""
+    kind = rule_kind or needed_rule_kind(op)
+    where = f"module '{module_path}'" if module_path else "the model's top-level forward"
+    return UnsupportedOpError(
+        f"{op_name(op)} in {where}: {why}. It would need {kind}.",
+        op=op_name(op),
+        module_path=module_path,
+        rule_kind=kind,
+    )

@@ -1,0 +1,81 @@
+"""R4: elementwise activations as ``f(0)·O + x·stopgrad(ξ(x))``.
+
+``ξ(x) = (f(x) − f(0))/x`` with ``ξ(0) = f'(0)``. Closed forms are used where they
+exist (GELU: Φ(x), SiLU: σ(x), ReLU: 1[x>0], Hardswish: relu6(x+3)/6); every other
+activation uses the quotient. Sigmoid and hard-sigmoid whose result multiplies a
+LIVE tensor are gates (R5), decided by the graph walker from ``may_gate``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from ..registry import Rule, arguments, register
+from ..values import Live
+
+aten = torch.ops.aten
+
+
+def _gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    if approximate == "tanh":
+        inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))
+        return 0.5 * (1.0 + torch.tanh(inner))
+    return 0.5 * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
+
+
+def _leaky_relu(x: torch.Tensor, negative_slope: float = 0.01) -> torch.Tensor:
+    return torch.where(x > 0, torch.ones_like(x), torch.full_like(x, negative_slope))
+
+
+CLOSED_FORM: dict = {
+    aten.relu.default: lambda x: (x > 0).to(x.dtype),
+    aten.gelu.default: _gelu,
+    aten.silu.default: torch.sigmoid,
+    aten.hardswish.default: lambda x: (x + 3.0).clamp(0.0, 6.0) / 6.0,
+    aten.leaky_relu.default: _leaky_relu,
+}
+
+
+def _at_zero(op: Callable, x: torch.Tensor, rest: list) -> tuple[float, float]:
+    """``f(0)`` and ``f'(0)`` of ``op`` (with its extra arguments), in float64."""
+    zero = torch.zeros((), dtype=torch.float64, requires_grad=True)
+    with torch.enable_grad():
+        at_zero = op(zero, *rest)
+        (slope,) = torch.autograd.grad(at_zero, zero)
+    return at_zero.item(), slope.item()
+
+
+def multiplier(op, x: torch.Tensor, *rest) -> tuple[torch.Tensor, float]:
+    """The detached multiplier ``ξ(x)`` of activation ``op`` and its offset ``f(0)``.
+
+    ``op(x, *rest) == f(0) + x·ξ(x)`` elementwise (up to rounding).
+    """
+    x = x.detach()
+    closed = CLOSED_FORM.get(op)
+    if closed is not None:
+        return closed(x, *rest), 0.0
+    offset, slope = _at_zero(op, x, list(rest))
+    quotient = (op(x, *rest) - offset) / torch.where(x == 0, torch.ones_like(x), x)
+    return torch.where(x == 0, torch.full_like(x, slope), quotient), offset
+
+
+def _activation(op, *args, **kwargs):
+    """R4: ``f(0)·O + x·ξ(x)`` with ``ξ`` held constant; the ones pass through."""
+    x, *rest = arguments(op, args, kwargs)
+    xi, offset = multiplier(op, x.value, *rest)
+    value = x.value * xi
+    if offset != 0.0:
+        value = value + offset * x.ones
+    return Live(value, x.ones)
+
+
+register([aten.relu, aten.gelu, aten.silu, aten.hardswish, aten.leaky_relu, aten.elu,
+          aten.celu, aten.selu, aten.hardtanh, aten.relu6, aten.tanh, aten.softplus, aten.mish,
+          aten.hardshrink, aten.softshrink, aten.clamp.default, aten.clamp_min.default,
+          aten.clamp_max.default, aten.log_sigmoid],
+         Rule("R4 elementwise activation", _activation))
+register([aten.sigmoid, aten.hardsigmoid],
+         Rule("R4 elementwise activation / R5 gate", _activation, may_gate=True))

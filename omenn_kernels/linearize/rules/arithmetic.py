@@ -1,0 +1,88 @@
+"""R7–R9: sums, constants added or multiplied, and products of LIVE tensors.
+
+R7: ``a + b`` of LIVE tensors: the values add, the ones average.
+R7': LIVE ``a`` plus a CONST ``c``: ``a + c·O_a`` — the ones carry the constant.
+R8: LIVE ``a`` scaled by a CONST or a gate: ``a·c``, ones unchanged.
+R9: a product of two LIVE tensors has no linear form: a clear error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..registry import Rule, RuleError, arguments, register
+from ..values import Gate, Live
+
+aten = torch.ops.aten
+
+_ADDITIVE_GATE = RuleError(
+    "an input-dependent constant (a gate such as a softmax or sigmoid result) is added to a LIVE "
+    "tensor; gates may only multiply", "R5 (gates multiply LIVE tensors)")
+
+
+def _add(op, *args, **kwargs):
+    """R7 / R7' for add and sub (with ``alpha``)."""
+    a, b, alpha = arguments(op, args, kwargs)[:3]
+    alpha = 1 if alpha is None else alpha
+    sign = -1 if op in (aten.sub.Tensor, aten.sub.Scalar) else 1
+    if isinstance(a, Gate) or isinstance(b, Gate):
+        raise _ADDITIVE_GATE
+    if isinstance(a, Live) and isinstance(b, Live):
+        value = a.value + sign * alpha * b.value
+        return Live(value, ((a.ones + b.ones) / 2).expand(value.shape))
+    live, const, live_first = (a, b, True) if isinstance(a, Live) else (b, a, False)
+    carried = const * live.ones
+    if live_first:
+        value = live.value + sign * alpha * carried
+    else:
+        value = carried + sign * alpha * live.value
+    return Live(value, live.ones.expand(value.shape))
+
+
+def _rsub(op, *args, **kwargs):
+    """``other - alpha·a`` with LIVE ``a`` and CONST ``other`` (R7')."""
+    a, other, alpha = arguments(op, args, kwargs)[:3]
+    if not isinstance(a, Live) or isinstance(other, (Live, Gate)):
+        raise _ADDITIVE_GATE if isinstance(other, Gate) else RuleError(
+            "rsub with a LIVE subtrahend only is supported", "R7'")
+    value = other * a.ones - alpha * a.value
+    return Live(value, a.ones.expand(value.shape))
+
+
+def _scale(op, *args, **kwargs):
+    """R8: a LIVE tensor multiplied or divided by a CONST or a gate."""
+    a, b = arguments(op, args, kwargs)[:2]
+    divide = op in (aten.div.Tensor, aten.div.Scalar)
+    if isinstance(a, Live) and isinstance(b, Live):
+        raise RuleError("both factors depend on the input and neither is a gate (softmax/sigmoid "
+                        "weights): the product has no linear form",
+                        "R9 (a product of two LIVE tensors is unsupported)")
+    if divide and not isinstance(a, Live):
+        raise RuleError("the divisor depends on the input", "R8 (division by a CONST only)")
+    live, factor = (a, b) if isinstance(a, Live) else (b, a)
+    factor = factor.value if isinstance(factor, Gate) else factor
+    value = live.value / factor if divide else live.value * factor
+    return Live(value, live.ones.expand(value.shape))
+
+
+def _div_rounding(op, *args, **kwargs):
+    bound = arguments(op, args, kwargs)
+    if bound[2] is not None:
+        raise RuleError(f"division with rounding_mode={bound[2]!r} is not linear",
+                        "R8 (true division only)")
+    return _scale(aten.div.Tensor, bound[0], bound[1])
+
+
+def _neg(op, a):
+    return Live(-a.value, a.ones)
+
+
+register([aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar],
+         Rule("R7 sum / R7' constant added", _add))
+register([aten.rsub.Tensor, aten.rsub.Scalar], Rule("R7' constant minus LIVE", _rsub))
+register([aten.mul.Tensor, aten.mul.Scalar],
+         Rule("R8 scaled by a constant or gate", _scale, factor_args=(0, 1)))
+register([aten.div.Tensor, aten.div.Scalar],
+         Rule("R8 divided by a constant or gate", _scale, factor_args=(1,)))
+register([aten.div.Tensor_mode], Rule("R8 divided by a constant or gate", _div_rounding))
+register([aten.neg], Rule("R8 scaled by -1", _neg))

@@ -1,0 +1,81 @@
+"""R1: linear maps and matrix products with a CONST (or gate) operand.
+
+``y = xW + b·Ō`` with ``Ō`` the mean of the ones over the contracted dimension.
+A product of a gate with LIVE tokens (``A·V`` written out) is attention: R6.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..registry import Rule, RuleError, arguments, register
+from ..values import Gate, Live, require_reached
+from .attention import attended
+
+aten = torch.ops.aten
+
+_TWO_LIVE = RuleError("both operands of the matrix product depend on the input and neither is a "
+                      "gate (softmax/sigmoid weights)", "R9 (a product of two LIVE tensors is unsupported)")
+
+
+def _linear(op, *args, **kwargs):
+    """R1 for ``F.linear``: ``xWᵀ + b·Ō``."""
+    x, weight, bias = arguments(op, args, kwargs)
+    if not isinstance(x, Live) or isinstance(weight, (Live, Gate)) or isinstance(bias, (Live, Gate)):
+        raise RuleError("the weight or bias of a linear layer depends on the input",
+                        "R1 (CONST weight and bias)")
+    value = F.linear(x.value, weight)
+    ones = x.ones.mean(-1, keepdim=True)
+    if bias is not None:
+        require_reached(ones)
+        value = value + bias * ones
+    return Live(value, ones.expand(value.shape))
+
+
+def _right_constant(x: Live, weight: torch.Tensor, product) -> Live:
+    """``x @ W`` with CONST ``W``: the ones are averaged over x's last (contracted) dim."""
+    value = product(x.value, weight)
+    if x.value.dim() == 1:
+        return Live(value, x.ones.mean().expand(value.shape))
+    return Live(value, x.ones.mean(-1, keepdim=True).expand(value.shape))
+
+
+def _left_constant(weight: torch.Tensor, x: Live, product) -> Live:
+    """``W @ x`` with CONST ``W``: the ones are averaged over x's contracted dim (-2)."""
+    value = product(weight, x.value)
+    if x.value.dim() == 1:
+        return Live(value, x.ones.mean().expand(value.shape))
+    return Live(value, x.ones.mean(-2, keepdim=True).expand(value.shape))
+
+
+def _matmul(op, *args, **kwargs):
+    """R1 for mm/bmm/matmul with one CONST operand; R6 when the other operand is a gate."""
+    a, b = arguments(op, args, kwargs)[:2]
+    if isinstance(a, Live) and isinstance(b, Live):
+        raise _TWO_LIVE
+    if isinstance(a, Gate) and a.value.dim() >= 2 and b.value.dim() >= 2:
+        return attended(a.value, b)
+    if isinstance(b, Gate) and a.value.dim() >= 2 and b.value.dim() >= 2:
+        transposed = attended(b.value.transpose(-2, -1),
+                              Live(a.value.transpose(-2, -1), a.ones.transpose(-2, -1)))
+        return Live(transposed.value.transpose(-2, -1), transposed.ones.transpose(-2, -1))
+    if isinstance(a, Live):
+        return _right_constant(a, b, op)
+    return _left_constant(a, b, op)
+
+
+def _addmm(op, *args, **kwargs):
+    """R1 for ``beta·bias + alpha·(m1 @ m2)`` with LIVE ``m1`` and CONST ``m2``/bias."""
+    bias, m1, m2, beta, alpha = arguments(op, args, kwargs)
+    if not isinstance(m1, Live) or isinstance(m2, (Live, Gate)) or isinstance(bias, (Live, Gate)):
+        raise RuleError("addmm is supported with a LIVE left factor and CONST weight and bias",
+                        "R1 (CONST weight and bias)")
+    product = _right_constant(m1, m2, torch.mm)
+    return Live(alpha * product.value + beta * bias * product.ones, product.ones)
+
+
+register([aten.linear], Rule("R1 linear", _linear))
+register([aten.matmul, aten.mm, aten.bmm],
+         Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1)))
+register([aten.addmm], Rule("R1 linear", _addmm))

@@ -1,0 +1,53 @@
+"""R13, R13' and R14: pooling, means and interpolation.
+
+R13 (average/adaptive pooling, mean and sum over dims): the value as usual; the ones
+pooled the same way and renormalized to stay 1 (``S/stopgrad(S)``, padding counts).
+R13' (max pooling): the value's gradient goes to the arg-max; the ones are taken at
+the arg-max position.
+R14 (interpolation): the ones interpolated the same way, renormalized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..registry import Rule, RuleError, arguments, register
+from ..values import Live, renormalized
+
+aten = torch.ops.aten
+
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+def _pooled(op, *args, **kwargs):
+    """R13/R14: ``op`` on the value; on the ones, then renormalized."""
+    x, *rest = args
+    if any(isinstance(a, Live) for a in rest) or any(isinstance(a, Live) for a in kwargs.values()):
+        raise RuleError("a pooling parameter depends on the input", "R13 (CONST parameters)")
+    value = op(x.value, *rest, **kwargs)
+    return Live(value, renormalized(op(x.ones, *rest, **kwargs)))
+
+
+def _max_pool(op, *args, **kwargs):
+    """R13': max pooling; the ones are read at the arg-max."""
+    x, kernel, stride, padding, dilation, ceil_mode = arguments(op, args, kwargs)
+    spatial = x.value.dim() - 2
+    value, indices = _MAX_POOL[spatial](x.value, kernel, stride or None, padding, dilation,
+                                        ceil_mode, return_indices=True)
+    ones = x.ones.flatten(-spatial).gather(-1, indices.flatten(-spatial)).view_as(value)
+    if op in (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default):
+        return Live(value, ones), indices
+    return Live(value, ones)
+
+
+register([aten.adaptive_avg_pool1d, aten.adaptive_avg_pool2d, aten._adaptive_avg_pool2d,
+          aten.adaptive_avg_pool3d, aten._adaptive_avg_pool3d, aten.avg_pool1d, aten.avg_pool2d,
+          aten.avg_pool3d, aten.mean.dim, aten.mean.default, aten.sum.dim_IntList,
+          aten.sum.default], Rule("R13 average pooling / mean", _pooled))
+register([aten.max_pool1d, aten.max_pool2d, aten.max_pool3d, aten.max_pool2d_with_indices,
+          aten.max_pool3d_with_indices], Rule("R13' max pooling", _max_pool))
+register([aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
+          aten.upsample_bilinear2d, aten.upsample_bicubic2d, aten.upsample_linear1d,
+          aten.upsample_trilinear3d, aten._upsample_bilinear2d_aa, aten._upsample_nearest_exact2d],
+         Rule("R14 interpolation", _pooled))

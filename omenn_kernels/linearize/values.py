@@ -1,0 +1,80 @@
+"""The kinds of values a linearized program passes between its operations.
+
+* ``Live``: computed from the input; carries its ones channel ``ones`` (the rule
+  book's ``O``) next to its ``value``. Both take part in the backward pass.
+* ``Gate``: computed from the input but held constant (R5): softmax attention
+  weights, squeeze-excitation sigmoids and everything that only feeds them.
+* anything else (tensors, numbers, shapes): CONST — parameters, buffers, constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Live:
+    """An input-dependent tensor and its ones channel (same shape in the reference)."""
+
+    value: torch.Tensor
+    ones: torch.Tensor
+
+
+@dataclass
+class Gate:
+    """An input-dependent tensor that the linearization holds constant (R5)."""
+
+    value: torch.Tensor
+
+
+def plain(obj: Any) -> Any:
+    """The numeric value of ``obj`` with Live/Gate unwrapped (recursively in lists/tuples).
+
+    Live values are detached: a plain value never carries the explanation's gradient.
+    """
+    if isinstance(obj, Live):
+        return obj.value.detach()
+    if isinstance(obj, Gate):
+        return obj.value
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain(o) for o in obj)
+    return obj
+
+
+def contains(obj: Any, kind: type) -> bool:
+    """Whether ``obj`` (or any element of a nested list/tuple) is of ``kind``."""
+    if isinstance(obj, kind):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return any(contains(o, kind) for o in obj)
+    return False
+
+
+def renormalized(pooled_ones: torch.Tensor) -> torch.Tensor:
+    """``S / stopgrad(S)``, and 0 where ``S = 0``.
+
+    Numerically 1 wherever any real position contributes, so a bias or a pooled
+    value keeps its size; its gradient spreads ``1/S`` over the contributing ones.
+    """
+    empty = pooled_ones.detach() == 0
+    denominator = torch.where(empty, torch.ones_like(pooled_ones), pooled_ones.detach())
+    return torch.where(empty, torch.zeros_like(pooled_ones), pooled_ones / denominator)
+
+
+def require_reached(ones: torch.Tensor) -> None:
+    """Refuse a bias added where the ones are 0: positions only zero padding reaches.
+
+    The rule book gives padding no ones channel (R11); a bias added there could not be
+    attributed to any pixel, and the explanation would silently miss it.
+    """
+    if bool((ones == 0).any()):
+        from .registry import RuleError
+
+        raise RuleError(
+            "a bias is added at positions that only zero padding reaches (R11 gives padding no "
+            "ones channel), so it cannot be attributed to any pixel and the explanation would not "
+            "sum to the logit; use an input size that needs no padding before this layer",
+            "a bias rule for padded positions (not in the rule book)")
