@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import weakref
 from dataclasses import dataclass
 from typing import Sequence, Union
 
@@ -76,8 +78,8 @@ def _readout(target: Target, batch: int, classes: int, device: torch.device) -> 
         raise TargetError("the target must be a class index, indices or read-out weights, not a bool")
     if isinstance(target, (list, tuple, np.ndarray)):
         target = torch.as_tensor(np.asarray(target))
-    if isinstance(target, int):
-        target = torch.tensor(target)
+    if isinstance(target, numbers.Integral):
+        target = torch.tensor(int(target))
     if not isinstance(target, torch.Tensor):
         raise TargetError(f"unsupported target type {type(target).__name__}; use an int, a (B,) "
                           "integer tensor, or (K,) / (B, K) read-out weights")
@@ -157,10 +159,14 @@ class Explainer:
                 image's predicted class.
         """
         x = _check_input(x, self.model)
-        program, classes = self.program(x)
-        readout = _readout(target, x.shape[0], classes, x.device)
-        weight, bias, logit, explained = self._run(program, self.model, x, readout)
-        contribution = (weight * x).sum(1) + bias
+        # Explaining needs autograd, also when called under inference_mode.
+        with torch.inference_mode(False):
+            if x.is_inference():
+                x = x.clone()
+            program, classes = self.program(x)
+            readout = _readout(target, x.shape[0], classes, x.device)
+            weight, bias, logit, explained = self._run(program, self.model, x, readout)
+            contribution = (weight * x).sum(1) + bias
         return Explanation(contribution.detach(), weight.detach(), bias.detach(), logit, explained)
 
     def attribute(self, inputs: torch.Tensor, target: Target = None) -> torch.Tensor:
@@ -195,16 +201,28 @@ def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
     return Explainer(model, backend=backend)(x, target)
 
 
+_QUANTUS_EXPLAINERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Explainer]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def quantus_explain(model: torch.nn.Module, inputs, targets, **kwargs) -> np.ndarray:
     """A Quantus ``explain_func``: OMENN attributions as a numpy array (B, C, H, W).
 
     Accepts numpy arrays or tensors; extra Quantus keyword arguments are ignored except
-    ``reduce_channels=True``, which returns the contribution map as (B, 1, H, W).
+    ``backend`` and ``reduce_channels=True``, which returns the contribution map as
+    (B, 1, H, W). Quantus calls this many times with the same model: the captured
+    program is kept (weakly) per model.
     """
-    reference = next(model.parameters())
-    x = torch.as_tensor(inputs, dtype=reference.dtype, device=reference.device)
-    target = torch.as_tensor(np.asarray(targets), device=reference.device).long().reshape(-1)
-    explainer = Explainer(model, backend=kwargs.get("backend", "reference"))
+    reference = next(model.parameters(), None)
+    x = torch.as_tensor(inputs)
+    if reference is not None:
+        x = x.to(dtype=reference.dtype, device=reference.device)
+    else:
+        x = x.to(device=kwargs.get("device") or "cpu")
+    target = torch.as_tensor(np.asarray(targets), device=x.device).long().reshape(-1)
+    backend = kwargs.get("backend", "reference")
+    per_backend = _QUANTUS_EXPLAINERS.setdefault(model, {})
+    explainer = per_backend.setdefault(backend, Explainer(model, backend=backend))
     if kwargs.get("reduce_channels", False):
         return explainer(x, target).contribution.unsqueeze(1).cpu().numpy()
     return explainer.attribute(x, target).detach().cpu().numpy()

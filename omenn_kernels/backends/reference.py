@@ -50,8 +50,8 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
         node = step.node
         args = _lookup_env(env, node.args)
         kwargs = _lookup_env(env, node.kwargs)
-        if step.kind is Kind.CONST:
-            env[node.name] = node.target(*args, **kwargs)
+        if step.kind is Kind.CONST:  # may read only the shape of a LIVE argument
+            env[node.name] = node.target(*plain(args), **plain(kwargs))
         elif step.kind is Kind.GATE:
             env[node.name] = _as_gate(node.target(*plain(args), **plain(kwargs)))
         else:
@@ -61,12 +61,14 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                 raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
     output = env[captured.output_name]
     if not isinstance(output, Live):
+        producer = next((s for s in program.steps if s.node.name == captured.output_name), None)
         kind = "is held constant (a gate: softmax/sigmoid)" if contains(output, Gate) else \
             "does not depend on the input"
         raise UnsupportedOpError(
             f"the model's output {kind}; explain needs logits that depend linearly on the input "
-            "through supported rules", op=op_name(program.steps[-1].node.target) if program.steps else "",
-            module_path="", rule_kind="a LIVE output")
+            "through supported rules",
+            op=op_name(producer.node.target) if producer else "",
+            module_path=producer.module_path if producer else "", rule_kind="a LIVE output")
     return output
 
 
@@ -85,7 +87,7 @@ def read_out(logits: torch.Tensor, target: torch.Tensor | None) -> tuple[torch.T
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                   target: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """``(C_w, C_b, ŷ, target)`` for the read-out ``ŷ`` of ``target`` (see :func:`read_out`)."""
-    with torch.enable_grad():
+    with torch.inference_mode(False), torch.enable_grad():
         inputs = x.detach().clone().requires_grad_(True)
         ones = torch.ones_like(inputs, requires_grad=True)
         logits = forward(program, model, inputs, ones)

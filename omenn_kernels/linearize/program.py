@@ -96,6 +96,9 @@ def linearize(captured: CapturedModel) -> LinearizedProgram:
     nodes = list(captured.graph.nodes)
     dependent: set[torch.fx.Node] = set()
     for node in nodes:
+        rule = lookup(node.target) if node.op == "call_function" else None
+        if rule is not None and rule.shape_only:
+            continue
         if node.name == captured.input_name or any(n in dependent for n in _inputs(node)):
             if node.op != "output":
                 dependent.add(node)

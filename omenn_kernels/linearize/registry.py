@@ -35,6 +35,8 @@ class Rule:
             through it is still a gate.
         live: False when the operation has no linear form at all (softmax): a LIVE
             use of its result is an error.
+        shape_only: the result depends on the shape of its input, not its values
+            (``zeros_like``): it is CONST.
     """
 
     name: str
@@ -44,6 +46,7 @@ class Rule:
     may_gate: bool = False
     transparent: bool = False
     live: bool = True
+    shape_only: bool = False
 
 
 _RULES: dict[OpKey, Rule] = {}

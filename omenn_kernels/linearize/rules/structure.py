@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, contains
+from ..values import Gate, Live, contains, plain
 
 aten = torch.ops.aten
 
@@ -67,6 +67,11 @@ def _eval_dropout(op, x, p, train):
     if train and p > 0:
         raise RuleError("dropout in training mode is random", "R10 (eval-mode dropout only)")
     return x
+
+
+def _metadata_check(op, *args, **kwargs):
+    """Shape/dtype assertions: checked on the value, nothing to linearize."""
+    return op(*plain(args), **plain(kwargs))
 
 
 def _zero_pad(op, *args, **kwargs):
@@ -121,6 +126,10 @@ STRUCTURE_OPS = [
 register(STRUCTURE_OPS, Rule("R10 structure", same_on_ones, transparent=True))
 register([aten.dropout, aten.feature_dropout, aten.alpha_dropout],
          Rule("R10 eval-mode dropout (identity)", _eval_dropout, transparent=True))
+register([aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.new_zeros,
+          aten.new_ones, aten.new_empty, aten.new_full],
+         Rule("shape only (CONST)", None, shape_only=True))
+register([aten._assert_tensor_metadata], Rule("R10 metadata check", _metadata_check, transparent=True))
 register([operator.getitem], Rule("R10 structure", _getitem, transparent=True))
 register([aten.pad, aten.constant_pad_nd], Rule("R11 zero padding", _zero_pad, transparent=True))
 register([aten.cat, aten.stack, aten.concat, aten.concatenate],

@@ -1,0 +1,18 @@
+"""omenn_kernels: exact, general and fast OMENN explanations for PyTorch vision models."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+setup(
+    name="omenn_kernels",
+    version="0.1.0",
+    description="Exact OMENN explanations (One Matrix to Explain Neural Networks, CVPR 2025) for PyTorch models",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["omenn_kernels", "omenn_kernels.*"]),
+    install_requires=["torch>=2.6", "torchvision", "timm>=1.0", "numpy", "matplotlib"],
+    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "captum"]},
+    entry_points={"console_scripts": ["omenn-demo=omenn_kernels.demo:main"]},
+)
