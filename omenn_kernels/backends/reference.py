@@ -1,97 +1,20 @@
-"""The reference backend: the linearized program in plain PyTorch autograd.
+"""The reference backend: every rule's reference math in plain PyTorch autograd.
 
-Every LIVE value carries a ones channel of its own full shape. The forward runs
-each rule's reference math with detached multipliers; one backward pass of the
-read-out gives ``C_w = ∂ŷ/∂X`` and the ones' gradient, summed over channels, ``C_b``.
-This is the oracle every fast path is tested against.
+The input's ones channel has the full shape of the input (one entry per element);
+rules keep ones shared along a dimension only where the rule book makes them equal
+(after a mean over channels, for instance). This is the oracle every fast path is
+tested against.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..capture import bound_tensors
-from ..errors import UnsupportedOpError
-from ..linearize.program import Kind, LinearizedProgram
-from ..linearize.registry import RuleError, op_name, unsupported
-from ..linearize.values import Gate, Live, contains, plain
-
-
-def _as_gate(result):
-    if isinstance(result, torch.Tensor):
-        return Gate(result)
-    if isinstance(result, (list, tuple)):
-        return type(result)(_as_gate(r) for r in result)
-    return result
-
-
-def _lookup_env(env: dict, arg):
-    if isinstance(arg, torch.fx.Node):
-        return env[arg.name]
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(_lookup_env(env, a) for a in arg)
-    if isinstance(arg, dict):
-        return {k: _lookup_env(env, v) for k, v in arg.items()}
-    return arg
-
-
-def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-            ones: torch.Tensor) -> Live:
-    """Run the linearized program on ``(x, ones)`` and return the LIVE model output.
-
-    Raises:
-        UnsupportedOpError: a rule met operands it cannot linearize (e.g. a product of
-            two LIVE tensors), naming the op and module path.
-    """
-    captured = program.captured
-    env: dict[str, object] = bound_tensors(captured, model)
-    env[captured.input_name] = Live(x, ones)
-    for step in program.steps:
-        node = step.node
-        args = _lookup_env(env, node.args)
-        kwargs = _lookup_env(env, node.kwargs)
-        if step.kind is Kind.CONST:  # may read only the shape of a LIVE argument
-            env[node.name] = node.target(*plain(args), **plain(kwargs))
-        elif step.kind is Kind.GATE:
-            env[node.name] = _as_gate(node.target(*plain(args), **plain(kwargs)))
-        else:
-            try:
-                env[node.name] = step.rule.reference(node.target, *args, **kwargs)
-            except RuleError as error:
-                raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
-    output = env[captured.output_name]
-    if not isinstance(output, Live):
-        producer = next((s for s in program.steps if s.node.name == captured.output_name), None)
-        kind = "is held constant (a gate: softmax/sigmoid)" if contains(output, Gate) else \
-            "does not depend on the input"
-        raise UnsupportedOpError(
-            f"the model's output {kind}; explain needs logits that depend linearly on the input "
-            "through supported rules",
-            op=op_name(producer.node.target) if producer else "",
-            module_path=producer.module_path if producer else "", rule_kind="a LIVE output")
-    return output
-
-
-def read_out(logits: torch.Tensor, target: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The explained read-out ``ŷ`` (B,) of ``logits`` and the target it used.
-
-    ``target``: (B,) class indices, (B, K) read-out weights, or None for the predicted class.
-    """
-    if target is None:
-        target = logits.detach().argmax(-1)
-    if target.is_floating_point():
-        return (logits * target.to(logits.dtype)).sum(-1), target
-    return logits.gather(1, target.unsqueeze(1)).squeeze(1), target
+from ..linearize.program import LinearizedProgram
+from .executor import explain_with
 
 
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                   target: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """``(C_w, C_b, ŷ, target)`` for the read-out ``ŷ`` of ``target`` (see :func:`read_out`)."""
-    with torch.inference_mode(False), torch.enable_grad():
-        inputs = x.detach().clone().requires_grad_(True)
-        ones = torch.ones_like(inputs, requires_grad=True)
-        logits = forward(program, model, inputs, ones)
-        explained, target = read_out(logits.value, target)
-        weight, ones_grad = torch.autograd.grad(explained.sum(), [inputs, ones], allow_unused=True,
-                                                materialize_grads=True)
-    return weight, ones_grad.sum(1), explained.detach(), target
+    """``(C_w, C_b, ŷ, target)`` with full-shape ones and reference rules."""
+    return explain_with(program, model, x, target, x.shape[1], lambda rule: rule.reference)

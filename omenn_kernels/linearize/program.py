@@ -74,13 +74,13 @@ def _only_multiplies(node: torch.fx.Node, dependent: set[torch.fx.Node]) -> bool
             return False
         rule = lookup(user.target)
         positions = _positions(user, node)
-        if rule is not None and positions <= set(rule.factor_args):
-            continue
+        others = [n for n in _inputs(user) if n in dependent and n is not node]
+        if rule is not None and positions <= set(rule.factor_args) and others:
+            continue  # scales another input-dependent tensor: the gate ends here
         if rule is not None and rule.transparent and positions == {0}:
             if not _only_multiplies(user, dependent):
                 return False
             continue
-        others = [n for n in _inputs(user) if n in dependent and n is not node]
         if others or not _only_multiplies(user, dependent):
             return False
     return True

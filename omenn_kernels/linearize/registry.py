@@ -25,6 +25,9 @@ class Rule:
         name: the rule book's entry, e.g. ``"R2 convolution"``.
         reference: ``reference(op, *args, **kwargs)``; arguments are Live, Gate or
             CONST values, the result is Live (or a tuple/list containing Live).
+        fused: the same contract, running a fused ``torch.ops.omenn`` op where it
+            applies (declared next to the reference in the rule's module); None when
+            the reference math is already the fast path.
         factor_args: argument positions where a Gate/CONST operand only scales a
             LIVE operand (multiplications): a gate may end there.
         gate_args: argument positions consumed only through a gate (the query and
@@ -41,6 +44,7 @@ class Rule:
 
     name: str
     reference: Callable[..., Any] | None
+    fused: Callable[..., Any] | None = None
     factor_args: tuple[int, ...] = ()
     gate_args: tuple[int, ...] = ()
     may_gate: bool = False

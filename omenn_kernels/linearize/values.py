@@ -17,7 +17,13 @@ import torch
 
 @dataclass
 class Live:
-    """An input-dependent tensor and its ones channel (same shape in the reference)."""
+    """An input-dependent tensor and its ones channel.
+
+    ``ones`` is broadcastable to ``value``: a dimension of size 1 in ``ones`` means one
+    ones value shared along that dimension (one per token or pixel, not per channel).
+    Sharing does not change C, C_w or C_b: a shared entry's gradient is the sum of
+    the gradients its broadcast copies would get.
+    """
 
     value: torch.Tensor
     ones: torch.Tensor
@@ -28,6 +34,11 @@ class Gate:
     """An input-dependent tensor that the linearization holds constant (R5)."""
 
     value: torch.Tensor
+
+
+def full_ones(live: Live) -> torch.Tensor:
+    """The ones channel expanded (as a view) to the full shape of the value."""
+    return live.ones.expand(live.value.shape)
 
 
 def plain(obj: Any) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live
+from ..values import Gate, Live, require_reached
 
 aten = torch.ops.aten
 
@@ -29,14 +29,16 @@ def _add(op, *args, **kwargs):
         raise _ADDITIVE_GATE
     if isinstance(a, Live) and isinstance(b, Live):
         value = a.value + sign * alpha * b.value
-        return Live(value, ((a.ones + b.ones) / 2).expand(value.shape))
+        return Live(value, (a.ones + b.ones) / 2)
     live, const, live_first = (a, b, True) if isinstance(a, Live) else (b, a, False)
+    if not (isinstance(const, (int, float)) and const == 0):
+        require_reached(live.ones)
     carried = const * live.ones
     if live_first:
         value = live.value + sign * alpha * carried
     else:
         value = carried + sign * alpha * live.value
-    return Live(value, live.ones.expand(value.shape))
+    return Live(value, live.ones)
 
 
 def _rsub(op, *args, **kwargs):
@@ -46,7 +48,7 @@ def _rsub(op, *args, **kwargs):
         raise _ADDITIVE_GATE if isinstance(other, Gate) else RuleError(
             "rsub with a LIVE subtrahend only is supported", "R7'")
     value = other * a.ones - alpha * a.value
-    return Live(value, a.ones.expand(value.shape))
+    return Live(value, a.ones)
 
 
 def _scale(op, *args, **kwargs):
@@ -62,7 +64,7 @@ def _scale(op, *args, **kwargs):
     live, factor = (a, b) if isinstance(a, Live) else (b, a)
     factor = factor.value if isinstance(factor, Gate) else factor
     value = live.value / factor if divide else live.value * factor
-    return Live(value, live.ones.expand(value.shape))
+    return Live(value, live.ones)
 
 
 def _div_rounding(op, *args, **kwargs):

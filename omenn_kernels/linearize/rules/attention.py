@@ -21,11 +21,15 @@ from ..values import Gate, Live, plain, renormalized
 aten = torch.ops.aten
 
 
-def attended(weights: torch.Tensor, values: Live) -> Live:
-    """``A·V`` for constant attention weights ``A`` (…, Tq, Tk) and LIVE ``V`` (…, Tk, E)."""
+def attended(weights: torch.Tensor, values: Live, queries_are_tokens: bool = True) -> Live:
+    """``A·V`` for constant attention weights ``A`` (…, Tq, Tk) and LIVE ``V`` (…, Tk, E).
+
+    R6 (token identity) when the queries are the value tokens — computed from the
+    input and as many — else R6'.
+    """
     value = torch.matmul(weights, values.value)
-    if weights.shape[-1] == weights.shape[-2]:
-        ones = values.ones.expand(value.shape)  # R6: token identity
+    if queries_are_tokens and weights.shape[-1] == weights.shape[-2]:
+        ones = values.ones  # R6: token identity
     else:
         ones = renormalized(torch.matmul(weights, values.ones))  # R6'
     return Live(value, ones)
@@ -56,9 +60,9 @@ def _sdpa(op, *args, **kwargs):
     weights = attention_weights(query, key, mask, is_causal, scale, enable_gqa)
     if enable_gqa and value.value.shape[-3] != weights.shape[-3]:
         repeat = weights.shape[-3] // value.value.shape[-3]
-        value = Live(value.value.repeat_interleave(repeat, dim=-3),
-                     value.ones.repeat_interleave(repeat, dim=-3))
-    return attended(weights, value)
+        ones = value.ones if value.ones.shape[-3] == 1 else value.ones.repeat_interleave(repeat, dim=-3)
+        value = Live(value.value.repeat_interleave(repeat, dim=-3), ones)
+    return attended(weights, value, queries_are_tokens=isinstance(query, (Live, Gate)))
 
 
 def _softmax_outside_gate(op, *args, **kwargs):

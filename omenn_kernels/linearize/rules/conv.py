@@ -23,9 +23,14 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 def receptive_ones(ones: torch.Tensor, weight_shape, stride, padding, dilation, groups: int) -> torch.Tensor:
     """``S``: per output position and group, the sum of the ones in its receptive field.
 
-    Returns (N, groups, *out) — every output channel of a group shares its ``S``.
+    Returns (N, groups, *out) — every output channel of a group shares its ``S`` — or
+    (N, 1, *out) for ones shared by all channels (one per position), where ``S`` counts
+    the real positions of the window once instead of once per input channel: the
+    renormalized ``S/stopgrad(S)`` and its gradient per position are the same.
     """
     batch, channels, *spatial = ones.shape
+    if channels == 1:
+        groups = 1
     per_group = ones.reshape(batch, groups, channels // groups, *spatial).sum(2)
     window = ones.new_ones(groups, 1, *weight_shape[2:])
     return _CONV[len(spatial)](per_group, window, None, stride, padding, dilation, groups)
@@ -35,8 +40,9 @@ def convolved(x: Live, weight: torch.Tensor, bias, stride, padding, dilation, gr
     """R2 on a LIVE input: the convolution, and the bias carried by ``Ō = S/stopgrad(S)``."""
     conv = _CONV[x.value.dim() - 2]
     value = conv(x.value, weight, None, stride, padding, dilation, groups)
-    share = renormalized(receptive_ones(x.ones, weight.shape, stride, padding, dilation, groups))
-    ones = share.repeat_interleave(weight.shape[0] // groups, dim=1)
+    spatial_ones = x.ones.expand(*x.ones.shape[:2], *x.value.shape[2:])
+    share = renormalized(receptive_ones(spatial_ones, weight.shape, stride, padding, dilation, groups))
+    ones = share if share.shape[1] == 1 else share.repeat_interleave(weight.shape[0] // groups, dim=1)
     if bias is not None:
         require_reached(share)
         value = value + bias.view(1, -1, *([1] * (value.dim() - 2))) * ones

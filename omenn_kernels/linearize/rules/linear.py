@@ -30,23 +30,23 @@ def _linear(op, *args, **kwargs):
     if bias is not None:
         require_reached(ones)
         value = value + bias * ones
-    return Live(value, ones.expand(value.shape))
+    return Live(value, ones)
 
 
 def _right_constant(x: Live, weight: torch.Tensor, product) -> Live:
     """``x @ W`` with CONST ``W``: the ones are averaged over x's last (contracted) dim."""
     value = product(x.value, weight)
     if x.value.dim() == 1:
-        return Live(value, x.ones.mean().expand(value.shape))
-    return Live(value, x.ones.mean(-1, keepdim=True).expand(value.shape))
+        return Live(value, x.ones.mean())
+    return Live(value, x.ones.mean(-1, keepdim=weight.dim() > 1))
 
 
 def _left_constant(weight: torch.Tensor, x: Live, product) -> Live:
     """``W @ x`` with CONST ``W``: the ones are averaged over x's contracted dim (-2)."""
     value = product(weight, x.value)
     if x.value.dim() == 1:
-        return Live(value, x.ones.mean().expand(value.shape))
-    return Live(value, x.ones.mean(-2, keepdim=True).expand(value.shape))
+        return Live(value, x.ones.mean())
+    return Live(value, x.ones.mean(-2, keepdim=weight.dim() > 1))
 
 
 def _matmul(op, *args, **kwargs):

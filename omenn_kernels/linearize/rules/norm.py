@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Live, require_reached
+from ..values import Live, full_ones, require_reached
 
 aten = torch.ops.aten
 
@@ -30,6 +30,7 @@ def batch_norm_affine(x: Live, weight, bias, running_mean, running_var, eps: flo
     shift = -running_mean * scale
     if bias is not None:
         shift = shift + bias
+    require_reached(x.ones)
     value = x.value * _channel_view(scale, x.value) + _channel_view(shift, x.value) * x.ones
     return Live(value, x.ones)
 
@@ -65,7 +66,7 @@ def normalized(x: Live, dims: list[int], weight, bias, eps: float, centre: bool 
     if bias is not None:
         require_reached(ones)
         value = value + bias * ones
-    return Live(value, ones.expand(value.shape))
+    return Live(value, ones)
 
 
 def _layer_norm(op, *args, **kwargs):
@@ -85,10 +86,11 @@ def _rms_norm(op, *args, **kwargs):
 
 
 def _grouped(x: Live, groups: int, weight, bias, eps: float) -> Live:
-    batch, channels = x.value.shape[:2]
-    as_groups = Live(x.value.reshape(batch, groups, -1), x.ones.reshape(batch, groups, -1))
+    batch = x.value.shape[0]
+    as_groups = Live(x.value.reshape(batch, groups, -1), full_ones(x).reshape(batch, groups, -1))
     out = normalized(as_groups, [-1], None, None, eps)
-    value, ones = out.value.reshape(x.value.shape), out.ones.reshape(x.value.shape)
+    value = out.value.reshape(x.value.shape)
+    ones = out.ones.expand(out.value.shape).reshape(x.value.shape)
     if weight is not None:
         value = value * _channel_view(weight, value)
     if bias is not None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Live, renormalized
+from ..values import Live, full_ones, renormalized
 
 aten = torch.ops.aten
 
@@ -35,7 +35,7 @@ def _max_pool(op, *args, **kwargs):
     spatial = x.value.dim() - 2
     value, indices = _MAX_POOL[spatial](x.value, kernel, stride or None, padding, dilation,
                                         ceil_mode, return_indices=True)
-    ones = x.ones.flatten(-spatial).gather(-1, indices.flatten(-spatial)).view_as(value)
+    ones = full_ones(x).flatten(-spatial).gather(-1, indices.flatten(-spatial)).view_as(value)
     if op in (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default):
         return Live(value, ones), indices
     return Live(value, ones)

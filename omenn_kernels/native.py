@@ -1,0 +1,133 @@
+"""Loader of the C++ CPU kernels in ``csrc/`` (the ``omenn_cpu`` extension).
+
+The extension is built just in time with ``torch.utils.cpp_extension.load`` and ninja
+(no CUDA; ``-O3 -fopenmp -fno-trapping-math``). ``-fno-trapping-math`` changes no
+result (it only stops GCC from assuming that floating-point exceptions are observed,
+clang's default) and lets GCC if-convert and vectorize loops with comparisons and
+selects (relu, leaky_relu, hardswish, the ``S == 0`` guard). Not used: ``-march=native``,
+which would tie the build cache to one CPU, and ``-ffast-math``, which changes rounding. The first build in a fresh cache
+takes tens of seconds; later processes reuse torch's extension cache
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
+
+``cpu_kernels()`` returns the module, built at most once per process; ``available()``
+says whether it can be built. The module's functions:
+
+- ``activation_forward(x, kind, slope=0.01)``: ``x·ξ(x)`` (R4)
+- ``activation_backward(grad, x, kind, slope=0.01)``: ``grad·ξ(x)``, ξ recomputed from x
+- ``bias_share(grad, bias, grad_ones_out, S)``: ``(Σ_c grad·bias + grad_ones_out)/S`` (R2)
+- ``spread_bias_share(r, H, W, kh, kw, sh, sw, ph, pw, dh, dw)``
+- ``conv_bias_ones_backward(grad, bias, grad_ones_out, S, H, W, kh, kw, sh, sw, ph, pw, dh, dw)``
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+NAME = "omenn_cpu"
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+SOURCES = ("activation.cpp", "conv_bias.cpp", "bindings.cpp")
+CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math"]
+LDFLAGS = ["-fopenmp"]
+
+
+def _find_ninja() -> str | None:
+    """The ninja executable: on PATH, beside this Python (an unactivated venv), or pip's ``ninja``."""
+    found = shutil.which("ninja")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "ninja"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    try:
+        import ninja  # the PyPI package ships the binary
+
+        candidate = Path(ninja.BIN_DIR) / "ninja"
+        if candidate.is_file():
+            return str(candidate)
+    except (ImportError, AttributeError):
+        pass
+    return None
+
+
+def _preflight() -> str:
+    """Check the sources and tools a build needs; return ninja's path or raise RuntimeError."""
+    missing = [s for s in SOURCES if not (CSRC / s).is_file()]
+    if missing:
+        raise RuntimeError(
+            f"the C++ sources of {NAME} are missing from {CSRC} ({', '.join(missing)}); "
+            "the kernels build from a source checkout (pip install -e .)")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(
+            f"cannot build {NAME}: no C++ compiler, {compiler!r} is not on PATH "
+            "(install g++ or clang, or set CXX)")
+    ninja = _find_ninja()
+    if ninja is None:
+        raise RuntimeError(f"cannot build {NAME}: ninja is not installed (pip install ninja)")
+    return ninja
+
+
+@functools.cache
+def _build() -> tuple[ModuleType | None, BaseException | None]:
+    """Build and load the extension once per process; a failure is remembered, not retried."""
+    try:
+        ninja = _preflight()
+    except RuntimeError as exc:
+        return None, exc
+    # Importing cpp_extension looks for CUDA and logs a warning when there is none; these
+    # sources are CPU-only, so that warning is noise here.
+    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_logger.level
+    cpp_logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        cpp_logger.setLevel(level)
+
+    path = os.environ.get("PATH", "")
+    ninja_dir = str(Path(ninja).parent)
+    if shutil.which("ninja") is None:  # torch runs "ninja" from PATH
+        os.environ["PATH"] = ninja_dir + os.pathsep + path
+    try:
+        module = cpp_extension.load(
+            name=NAME,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            with_cuda=False,
+            verbose=False,
+        )
+    except Exception as exc:  # compiler errors, missing OpenMP, a broken cache, ...
+        error = RuntimeError(f"building the C++ extension {NAME} from {CSRC} failed: {exc}")
+        error.__cause__ = exc
+        return None, error
+    finally:
+        os.environ["PATH"] = path
+    return module, None
+
+
+def cpu_kernels() -> ModuleType:
+    """The ``omenn_cpu`` extension module, built on first use (RuntimeError if it cannot be)."""
+    module, error = _build()
+    if module is None:
+        raise RuntimeError(str(error)) from error
+    return module
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the C++ CPU kernels build and load; the reason for a failure is warned once."""
+    try:
+        cpu_kernels()
+    except RuntimeError as exc:
+        warnings.warn(f"omenn_kernels: the C++ CPU kernels are unavailable: {exc}",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
