@@ -11,8 +11,8 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["omenn_kernels", "omenn_kernels.*"]),
-    install_requires=["torch>=2.6", "torchvision", "timm>=1.0", "numpy", "matplotlib"],
+    packages=find_packages(include=["omenn_kernels", "omenn_kernels.*", "triton_kernels"]),
+    install_requires=["torch>=2.6", "torchvision", "timm>=1.0", "numpy", "matplotlib", "ninja"],
     extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "captum"]},
     entry_points={"console_scripts": ["omenn-demo=omenn_kernels.demo:main"]},
 )

@@ -1,5 +1,9 @@
 """R4: elementwise activations as ``f(0)·O + x·stopgrad(ξ(x))``.
 
+Fused op ``omenn::activation`` (GELU, tanh-GELU, SiLU, ReLU, LeakyReLU, Hardswish):
+forward ``x·ξ(x)``, backward ``dy·ξ(x)`` recomputed from the saved ``x`` — CPU runs
+``csrc/activation.cpp``, CUDA ``triton_kernels/activation.py``.
+
 ``ξ(x) = (f(x) − f(0))/x`` with ``ξ(0) = f'(0)``. Closed forms are used where they
 exist (GELU: Φ(x), SiLU: σ(x), ReLU: 1[x>0], Hardswish: relu6(x+3)/6); every other
 activation uses the quotient. Sigmoid and hard-sigmoid whose result multiplies a
@@ -14,6 +18,7 @@ from typing import Callable
 import torch
 
 from ..registry import Rule, arguments, register
+from ..fused import kernels_available
 from ..values import Live
 
 aten = torch.ops.aten
@@ -72,10 +77,83 @@ def _activation(op, *args, **kwargs):
     return Live(value, x.ones)
 
 
+def _fused_kind(op, rest: list) -> tuple[str, float] | None:
+    """The fused kernel's name of activation ``op`` and its slope, or None if it has none."""
+    if op is aten.gelu.default:
+        return ("gelu_tanh" if rest and rest[0] == "tanh" else "gelu"), 0.0
+    if op is aten.leaky_relu.default:
+        return "leaky_relu", float(rest[0]) if rest else 0.01
+    kind = {aten.relu.default: "relu", aten.silu.default: "silu",
+            aten.hardswish.default: "hardswish"}.get(op)
+    return (kind, 0.0) if kind else None
+
+
+@torch.library.custom_op("omenn::activation", mutates_args=())
+def activation_op(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    """``x·ξ(x)`` for a fused activation ``kind`` (CPU: the C++ kernel)."""
+    from ...native import cpu_kernels
+
+    return cpu_kernels().activation_forward(x, kind, slope)
+
+
+@activation_op.register_kernel("cuda")
+def _activation_cuda(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    from triton_kernels import activation_forward
+
+    return activation_forward(x, kind, slope)
+
+
+@activation_op.register_fake
+def _activation_fake(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("omenn::activation_backward", mutates_args=())
+def activation_backward_op(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    """``grad·ξ(x)``, ``ξ`` recomputed from ``x`` (CPU: the C++ kernel)."""
+    from ...native import cpu_kernels
+
+    return cpu_kernels().activation_backward(grad, x, kind, slope)
+
+
+@activation_backward_op.register_kernel("cuda")
+def _activation_backward_cuda(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    from triton_kernels import activation_backward
+
+    return activation_backward(grad, x, kind, slope)
+
+
+@activation_backward_op.register_fake
+def _activation_backward_fake(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _activation_setup(ctx, inputs, output) -> None:
+    x, ctx.kind, ctx.slope = inputs
+    ctx.save_for_backward(x)
+
+
+def _activation_grad(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return activation_backward_op(grad, x, ctx.kind, ctx.slope), None, None
+
+
+activation_op.register_autograd(_activation_grad, setup_context=_activation_setup)
+
+
+def _fused_activation(op, *args, **kwargs):
+    """R4 through ``omenn::activation`` where a kernel exists; the reference math otherwise."""
+    x, *rest = arguments(op, args, kwargs)
+    kind = _fused_kind(op, rest)
+    if kind is None or not kernels_available(x.value):
+        return _activation(op, *args, **kwargs)
+    return Live(activation_op(x.value, *kind), x.ones)
+
+
 register([aten.relu, aten.gelu, aten.silu, aten.hardswish, aten.leaky_relu, aten.elu,
           aten.celu, aten.selu, aten.hardtanh, aten.relu6, aten.tanh, aten.softplus, aten.mish,
           aten.hardshrink, aten.softshrink, aten.clamp.default, aten.clamp_min.default,
           aten.clamp_max.default, aten.log_sigmoid],
-         Rule("R4 elementwise activation", _activation))
+         Rule("R4 elementwise activation", _activation, _fused_activation))
 register([aten.sigmoid, aten.hardsigmoid],
          Rule("R4 elementwise activation / R5 gate", _activation, may_gate=True))

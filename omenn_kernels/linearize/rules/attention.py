@@ -7,14 +7,22 @@ R6: ``Y = A·V`` with ``A`` constant: ``V`` is linear, and the ones of ``Y`` are
 ones of ``V`` (token identity, the paper's ``W̃_aug ⊗ I``).
 R6': when the queries are not the value tokens (another token count) the ones of
 ``Y`` are the attention-weighted mean of the value tokens' ones, renormalized.
+
+Fused op ``omenn::attention`` (R6 on CUDA, ``triton_kernels/attention.py``): the
+forward is flash attention saving the log-sum-exp; the backward computes only
+``dV = Pᵀ·dO`` — no dQ, no dK, no Δ pre-pass. On the CPU the op runs the same math
+in PyTorch, and the rule keeps its reference form there, which saves ``A`` instead
+of recomputing it.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
+from ..fused import kernels_available
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Gate, Live, plain, renormalized
 
@@ -65,12 +73,107 @@ def _sdpa(op, *args, **kwargs):
     return attended(weights, value, queries_are_tokens=isinstance(query, (Live, Gate)))
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
+    return scores if bias is None else scores + bias.float()
+
+
+@torch.library.custom_op("omenn::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(softmax(QKᵀ·scale + bias)·V, logsumexp)`` with the weights held constant (R6)."""
+    scores = _scores(q, k, bias, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return torch.matmul(weights.to(v.dtype), v), lse
+
+
+@attention_op.register_kernel("cuda")
+def _attention_cuda(q, k, v, bias, scale):
+    from triton_kernels import attention_forward
+
+    return attention_forward(q, k, v, scale, bias)
+
+
+@attention_op.register_fake
+def _attention_fake(q, k, v, bias, scale):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("omenn::attention_backward_dv", mutates_args=())
+def attention_backward_dv_op(q: torch.Tensor, k: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor,
+                             bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
+    """``dV = Pᵀ·grad`` with ``P = exp(QKᵀ·scale + bias − lse)`` recomputed."""
+    weights = torch.exp(_scores(q, k, bias, scale) - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return torch.matmul(weights.transpose(-2, -1), grad.float()).to(grad.dtype)
+
+
+@attention_backward_dv_op.register_kernel("cuda")
+def _attention_backward_dv_cuda(q, k, grad, lse, bias, scale):
+    from triton_kernels import attention_backward_dv
+
+    return attention_backward_dv(q, k, grad, lse, scale, bias)
+
+
+@attention_backward_dv_op.register_fake
+def _attention_backward_dv_fake(q, k, grad, lse, bias, scale):
+    return grad.new_empty(*k.shape[:-1], grad.shape[-1])
+
+
+def _attention_setup(ctx, inputs, output) -> None:
+    q, k, _v, bias, ctx.scale = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(q, k, output[1], *([bias] if bias is not None else []))
+
+
+def _attention_grad(ctx, grad, _grad_lse):
+    q, k, lse, *bias = ctx.saved_tensors
+    dv = attention_backward_dv_op(q, k, grad.contiguous(), lse, bias[0] if bias else None, ctx.scale)
+    return None, None, dv, None, None
+
+
+attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+def _additive_mask(mask, is_causal: bool, tq: int, tk: int, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """SDPA's boolean / float mask and causal flag as one additive float bias (or None)."""
+    bias = None
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=like.device).masked_fill(
+            ~mask, float("-inf")) if mask.dtype == torch.bool else mask.float()
+    if is_causal:
+        causal = torch.ones(tq, tk, dtype=torch.bool, device=like.device).tril()
+        causal_bias = torch.zeros(tq, tk, device=like.device).masked_fill(~causal, float("-inf"))
+        bias = causal_bias if bias is None else bias + causal_bias
+    return bias
+
+
+def _fused_sdpa(op, *args, **kwargs):
+    """R6 through ``omenn::attention`` on CUDA; the reference form elsewhere and for R6'."""
+    query, key, value, mask, dropout, is_causal, scale, enable_gqa = arguments(op, args, kwargs)
+    q, k = plain(query), plain(key)
+    fusable = (isinstance(value, Live) and isinstance(query, (Live, Gate)) and not dropout
+               and value.value.device.type == "cuda" and kernels_available(value.value)
+               and q.shape[-2] == k.shape[-2] and q.dim() == 4)
+    if not fusable:
+        return _sdpa(op, *args, **kwargs)
+    v, ones = value.value, value.ones
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        repeat = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+        ones = ones if ones.shape[-3] == 1 else ones.repeat_interleave(repeat, dim=-3)
+    bias = _additive_mask(plain(mask), is_causal, q.shape[-2], k.shape[-2], q)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out, _ = attention_op(q, k, v, bias, scale)
+    return Live(out, ones)
+
+
 def _softmax_outside_gate(op, *args, **kwargs):
     raise RuleError("a softmax result is used as a LIVE value (not as weights multiplying a "
                     "LIVE tensor)", "R5 (softmax only as a gate; explain logits, not probabilities)")
 
 
 register([aten.scaled_dot_product_attention],
-         Rule("R6 attention", _sdpa, gate_args=(0, 1, 3)))
+         Rule("R6 attention", _sdpa, _fused_sdpa, gate_args=(0, 1, 3)))
 register([aten.softmax, aten._softmax, aten._safe_softmax],
          Rule("R5 gate", _softmax_outside_gate, may_gate=True, live=False))

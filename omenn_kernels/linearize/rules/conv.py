@@ -5,13 +5,22 @@ ones over p's receptive field (zero padding counts as 0), and ``Ō = 0`` where
 ``S = 0``. This is the paper's dynamic kernel ``K̃_b`` with ``s_i = Σ c_Pi``: the
 bias of each output position goes in equal shares to the real input positions it
 sees. Any stride, padding, dilation and groups.
+
+Fused op ``omenn::conv2d_ones`` (2-D, ones shared per pixel): the value is the
+convolution with its bias (``Ō = 1`` wherever a real position is seen), and the
+backward reduces ``Σ_c dy_c·b_c`` per output position, divides by ``S`` and scatters
+it over the receptive field in one kernel — CPU ``csrc/conv_bias.cpp``, CUDA
+``triton_kernels/conv_bias.py``.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
+from ..fused import kernels_available
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Gate, Live, renormalized, require_reached
 
@@ -49,6 +58,70 @@ def convolved(x: Live, weight: torch.Tensor, bias, stride, padding, dilation, gr
     return Live(value, ones)
 
 
+@torch.library.custom_op("omenn::conv2d_ones", mutates_args=())
+def conv2d_ones(x: torch.Tensor, ones: torch.Tensor, window_sum: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor], stride: list[int], padding: list[int],
+                dilation: list[int], groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """R2 with ones (N, 1, H, W) shared per pixel and ``S`` = ``window_sum`` (N, 1, Ho, Wo).
+
+    Returns the convolution with its bias and the output's ones ``Ō`` (1 where S > 0).
+    """
+    value = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return value, (window_sum > 0).to(x.dtype)
+
+
+@conv2d_ones.register_fake
+def _conv2d_ones_fake(x, ones, window_sum, weight, bias, stride, padding, dilation, groups):
+    value = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return value, torch.empty_like(window_sum, dtype=x.dtype)
+
+
+@torch.library.custom_op("omenn::conv2d_ones_backward", mutates_args=())
+def conv2d_ones_backward(grad: torch.Tensor, grad_ones: torch.Tensor, bias: torch.Tensor,
+                         window_sum: torch.Tensor, input_size: list[int], kernel_size: list[int],
+                         stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:
+    """The ones' gradient (N, 1, H, W): ``(Σ_c grad_c·b_c + grad_ones)/S`` spread over each window."""
+    from ...native import cpu_kernels
+
+    return cpu_kernels().conv_bias_ones_backward(grad, bias, grad_ones, window_sum, *input_size,
+                                                 *kernel_size, *stride, *padding, *dilation)
+
+
+@conv2d_ones_backward.register_kernel("cuda")
+def _conv2d_ones_backward_cuda(grad, grad_ones, bias, window_sum, input_size, kernel_size, stride,
+                               padding, dilation):
+    from triton_kernels import conv_bias_ones_backward
+
+    return conv_bias_ones_backward(grad, bias, grad_ones, window_sum, input_size, kernel_size,
+                                   stride, padding, dilation)
+
+
+@conv2d_ones_backward.register_fake
+def _conv2d_ones_backward_fake(grad, grad_ones, bias, window_sum, input_size, kernel_size, stride,
+                               padding, dilation):
+    return grad.new_empty(grad.shape[0], 1, *input_size, dtype=torch.float32)
+
+
+def _conv2d_ones_setup(ctx, inputs, output) -> None:
+    x, ones, window_sum, weight, bias, ctx.stride, ctx.padding, ctx.dilation, ctx.groups = inputs
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(x, ones, window_sum, weight, bias if bias is not None else weight.new_zeros(weight.shape[0]))
+
+
+def _conv2d_ones_grad(ctx, grad, grad_ones):
+    x, ones, window_sum, weight, bias = ctx.saved_tensors
+    grad_x = torch.ops.aten.convolution_backward(
+        grad, x, weight, None, ctx.stride, ctx.padding, ctx.dilation, False, [0, 0], ctx.groups,
+        [True, False, False])[0]
+    grad_ones_in = conv2d_ones_backward(grad.contiguous(), grad_ones.contiguous(), bias, window_sum,
+                                        list(x.shape[2:]), list(weight.shape[2:]), ctx.stride,
+                                        ctx.padding, ctx.dilation)
+    return grad_x, grad_ones_in.to(ones.dtype), None, None, None, None, None, None, None
+
+
+conv2d_ones.register_autograd(_conv2d_ones_grad, setup_context=_conv2d_ones_setup)
+
+
 def _conv(op, *args, **kwargs):
     bound = arguments(op, args, kwargs)
     if op is aten.convolution.default:
@@ -63,4 +136,32 @@ def _conv(op, *args, **kwargs):
     return convolved(x, weight, bias, stride, padding, dilation, groups)
 
 
-register([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution], Rule("R2 convolution", _conv))
+def _pair(value, dims: int = 2) -> list[int]:
+    return list(value) * (dims // len(value)) if isinstance(value, (list, tuple)) else [value] * dims
+
+
+def _fused_conv(op, *args, **kwargs):
+    """R2 through ``omenn::conv2d_ones`` for 2-D convolutions with ones shared per pixel."""
+    bound = arguments(op, args, kwargs)
+    x = bound[0]
+    fusable = (op is aten.conv2d.default and isinstance(x, Live) and x.value.dim() == 4
+               and x.ones.dim() == 4 and x.ones.shape[1] == 1 and kernels_available(x.value)
+               and not isinstance(bound[4], str))
+    if not fusable:
+        return _conv(op, *args, **kwargs)
+    _, weight, bias, stride, padding, dilation, groups = bound
+    if isinstance(weight, (Live, Gate)) or isinstance(bias, (Live, Gate)):
+        return _conv(op, *args, **kwargs)
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    ones = x.ones.expand(x.value.shape[0], 1, *x.value.shape[2:])
+    window = ones.new_ones(1, 1, *weight.shape[2:])
+    window_sum = F.conv2d(ones.detach(), window, None, stride, padding, dilation)
+    if bias is not None:
+        require_reached(window_sum)
+    value, ones_out = conv2d_ones(x.value, ones, window_sum.float(), weight, bias, stride, padding,
+                                  dilation, groups)
+    return Live(value, ones_out)
+
+
+register([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution],
+         Rule("R2 convolution", _conv, _fused_conv))

@@ -1,0 +1,416 @@
+"""The C++ CPU kernels (``csrc/``, loaded by ``omenn_kernels.native``) against PyTorch.
+
+The extension must build here: a build failure makes these tests fail (the ``ext``
+fixture raises), never skip.
+
+References, all written in this file and computed in float64 from the same inputs:
+
+- activations (R4): the closed forms of ξ, and torch's own F.gelu / silu / relu /
+  leaky_relu / hardswish;
+- conv bias ones backward (R2): torch.autograd through ``Ō = S/stopgrad(S)`` (0 where
+  S = 0) with ``S = conv2d(O, ones)``, and an explicit loop over output positions and
+  kernel taps.
+
+Tolerances. Activations: the kernel computes in float (double for float64) and rounds
+once, so against the float64 formula it is within rtol = the dtype's epsilon (float16
+1e-3, bfloat16 8e-3, float32 1e-6, float64 1e-13) plus an atol for results near 0
+(1e-5, 1e-4, 1e-6, 1e-14). Against torch's functions (which round their own way, and
+lose digits in GELU's left tail) the same rtol with atol 1e-6 (float32) / the dtype's
+eps (half types). Conv: the ones path is float32 (float64 for float64 grads) summing up
+to a few hundred products, so |out − ref| ≤ rtol·|ref| + atol·max|ref| with
+rtol = atol = 2e-5 (float32, float16 and bfloat16 inputs: read exactly, accumulated in
+float), 1e-12 (float64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omenn_kernels import native
+
+KINDS = ("gelu", "gelu_tanh", "silu", "relu", "leaky_relu", "hardswish")
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+EPS = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6, torch.float64: 1e-13}
+ATOL = {torch.float16: 1e-5, torch.bfloat16: 1e-4, torch.float32: 1e-6, torch.float64: 1e-14}
+
+
+@pytest.fixture(scope="module")
+def ext():
+    return native.cpu_kernels()  # raises RuntimeError (test error, not skip) if the build fails
+
+
+def test_loader_builds_once_and_is_available():
+    module = native.cpu_kernels()
+    assert native.available() is True
+    assert native.cpu_kernels() is module
+    for name in ("activation_forward", "activation_backward", "bias_share", "spread_bias_share",
+                 "conv_bias_ones_backward"):
+        assert callable(getattr(module, name))
+
+
+# --------------------------------------------------------------------------- activations
+
+def xi_reference(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    """ξ(x) by the textbook formulas, in float64."""
+    x = x.double()
+    if kind == "gelu":
+        return 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    if kind == "gelu_tanh":
+        return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+    if kind == "silu":
+        return torch.sigmoid(x)
+    if kind == "relu":
+        return (x > 0).double()
+    if kind == "leaky_relu":
+        return torch.where(x > 0, torch.ones_like(x), torch.full_like(x, slope))
+    if kind == "hardswish":
+        return (x + 3.0).clamp(0.0, 6.0) / 6.0
+    raise AssertionError(kind)
+
+
+def torch_activation(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    return {
+        "gelu": lambda: F.gelu(x),
+        "gelu_tanh": lambda: F.gelu(x, approximate="tanh"),
+        "silu": lambda: F.silu(x),
+        "relu": lambda: F.relu(x),
+        "leaky_relu": lambda: F.leaky_relu(x, slope),
+        "hardswish": lambda: F.hardswish(x),
+    }[kind]()
+
+
+def activation_input(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Ragged (3, 37, 13) values over ±8 with zeros, tiny values and hardswish's kinks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, 37, 13, generator=g, dtype=torch.float64) * 3.0
+    flat = x.view(-1)
+    special = torch.tensor([0.0, -0.0, 1e-3, -1e-3, -3.0, 3.0, -8.0, 8.0, -0.75, 0.75],
+                           dtype=torch.float64)
+    flat[: special.numel()] = special
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_activation_forward_matches_formula_and_torch(ext, kind, dtype):
+    slope = 0.2 if kind == "leaky_relu" else 0.01
+    x = activation_input(dtype)
+    y = ext.activation_forward(x, kind, slope)
+    assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
+    ref = x.double() * xi_reference(x, kind, slope)
+    torch.testing.assert_close(y.double(), ref, rtol=EPS[dtype], atol=ATOL[dtype])
+    theirs = torch_activation(x, kind, slope).double()
+    atol = max(ATOL[dtype], 1e-6) if dtype != torch.float64 else 1e-14
+    torch.testing.assert_close(y.double(), theirs, rtol=2 * EPS[dtype], atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS)
+def test_activation_backward_matches_formula(ext, kind, dtype):
+    slope = 0.1
+    x = activation_input(dtype, seed=1)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    out = ext.activation_backward(grad, x, kind, slope)
+    assert out.dtype == dtype and out.shape == x.shape
+    ref = grad.double() * xi_reference(x, kind, slope)
+    torch.testing.assert_close(out.double(), ref, rtol=EPS[dtype], atol=ATOL[dtype])
+
+
+def test_activation_multiplier_at_zero_and_paper_example(ext):
+    zero = torch.zeros(1, dtype=torch.float64)
+    ones = torch.ones(1, dtype=torch.float64)
+    expect = {"gelu": 0.5, "gelu_tanh": 0.5, "silu": 0.5, "relu": 0.0, "leaky_relu": 0.3,
+              "hardswish": 0.5}
+    for kind, xi0 in expect.items():
+        assert ext.activation_backward(ones, zero, kind, 0.3).item() == xi0
+    # DESIGN.md: GELU at x = −0.75 has ξ = Φ(−0.75) ≈ 0.2266 and a contribution ≈ −0.17.
+    x = torch.tensor([-0.75], dtype=torch.float64)
+    assert ext.activation_backward(torch.ones_like(x), x, "gelu").item() == pytest.approx(
+        0.2266273523768682, rel=1e-14)
+    assert ext.activation_forward(x, "gelu").item() == pytest.approx(-0.16997051428265115,
+                                                                     rel=1e-14)
+
+
+def test_activation_gelu_left_tail_is_accurate(ext):
+    x = torch.tensor([-6.0, -9.0, -12.0], dtype=torch.float32)
+    got = ext.activation_backward(torch.ones_like(x), x, "gelu").double()
+    ref = 0.5 * torch.special.erfc(-x.double() / math.sqrt(2.0))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_activation_non_contiguous_and_special_shapes(ext, dtype):
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(7, 2 * 15, 13, generator=g).to(dtype)
+    x = base.transpose(0, 2)[:, ::2]  # (13, 15, 7), non-contiguous
+    grad = torch.randn(13, 7, 15, generator=g).to(dtype).transpose(1, 2)
+    assert not x.is_contiguous() and not grad.is_contiguous()
+    for kind in KINDS:
+        y = ext.activation_forward(x, kind, 0.05)
+        torch.testing.assert_close(y, ext.activation_forward(x.contiguous(), kind, 0.05),
+                                   rtol=0, atol=0)
+        ref = grad.double() * xi_reference(x, kind, 0.05)
+        torch.testing.assert_close(ext.activation_backward(grad, x, kind, 0.05).double(), ref,
+                                   rtol=EPS[dtype], atol=ATOL[dtype])
+    scalar = torch.tensor(1.5, dtype=dtype)
+    assert ext.activation_forward(scalar, "silu", 0.0).shape == ()
+    empty = torch.empty(0, 4, dtype=dtype)
+    assert ext.activation_forward(empty, "gelu", 0.0).shape == (0, 4)
+    nan = torch.tensor([float("nan")], dtype=dtype)
+    for kind in KINDS:
+        assert torch.isnan(ext.activation_forward(nan, kind, 0.01)).all()
+
+
+def test_activation_large_input_is_thread_independent(ext):
+    x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(4))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = ext.activation_forward(x, "gelu", 0.0)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(ext.activation_forward(x, "gelu", 0.0), serial, rtol=0, atol=0)
+
+
+def test_activation_errors(ext):
+    x = torch.randn(4)
+    with pytest.raises(ValueError, match="gelu, gelu_tanh, silu, relu, leaky_relu, hardswish"):
+        ext.activation_forward(x, "mish", 0.0)
+    with pytest.raises(ValueError, match="unknown activation kind 'GELU'"):
+        ext.activation_backward(x, x, "GELU", 0.0)
+    with pytest.raises(TypeError, match="float32, float64, float16 or bfloat16"):
+        ext.activation_forward(torch.arange(4), "relu", 0.0)
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        ext.activation_forward(torch.empty(4, device="meta"), "relu", 0.0)
+    with pytest.raises(RuntimeError, match="same shape"):
+        ext.activation_backward(torch.randn(5), x, "relu", 0.0)
+    with pytest.raises(TypeError, match="same dtype"):
+        ext.activation_backward(x.double(), x, "relu", 0.0)
+
+
+# ------------------------------------------------------------------ conv bias ones backward
+
+# (B, Cout, H, W, kernel, stride, padding before, dilation, padding after or None = same
+# as before). Ragged channel counts and sizes, all strides/paddings/dilations/kernels.
+CONV_CASES = [
+    (2, 3, 7, 7, (3, 3), (1, 1), (1, 1), (1, 1), None),
+    (1, 37, 13, 15, (5, 5), (2, 2), (2, 2), (1, 1), None),
+    (2, 197, 15, 13, (7, 7), (3, 3), (0, 0), (1, 1), None),
+    (2, 37, 15, 15, (7, 7), (1, 1), (3, 3), (1, 1), None),
+    (3, 3, 15, 7, (3, 1), (2, 1), (0, 1), (1, 1), None),       # asymmetric: ph ≠ pw
+    (1, 3, 13, 7, (1, 1), (1, 1), (2, 2), (1, 1), None),       # border sees only padding: S = 0
+    (2, 3, 13, 13, (3, 3), (1, 1), (2, 2), (2, 2), None),      # dilation 2
+    (1, 37, 7, 13, (3, 3), (3, 2), (1, 2), (2, 1), None),
+    (1, 3, 13, 13, (1, 1), (2, 2), (0, 0), (1, 1), None),      # stride > kernel: gaps
+    (2, 3, 7, 15, (3, 3), (1, 3), (2, 0), (2, 1), None),
+    (1, 5, 13, 15, (4, 2), (1, 1), (1, 0), (1, 1), (2, 1)),    # padding='same' (extra after)
+    (2, 3, 7, 13, (3, 3), (2, 2), (0, 2), (1, 2), (1, 0)),     # explicit asymmetric padding
+    (1, 8, 41, 43, (3, 3), (1, 1), (1, 1), (1, 1), None),      # Ho·Wo > one kernel chunk
+]
+
+
+def case_id(case) -> str:
+    B, C, H, W, k, s, p, d, after = case
+    tail = f"-after{after[0]}x{after[1]}" if after else ""
+    return f"B{B}C{C}-{H}x{W}-k{k[0]}x{k[1]}-s{s[0]}x{s[1]}-p{p[0]}x{p[1]}-d{d[0]}x{d[1]}{tail}"
+
+
+def conv_geometry(case):
+    B, C, H, W, k, s, p, d, after = case
+    after = after or p
+    Ho = (H + p[0] + after[0] - d[0] * (k[0] - 1) - 1) // s[0] + 1
+    Wo = (W + p[1] + after[1] - d[1] * (k[1] - 1) - 1) // s[1] + 1
+    return Ho, Wo, after
+
+
+def S_fn(O: torch.Tensor, case) -> torch.Tensor:
+    """S = sum of the ones over each output position's receptive field (padding counts 0)."""
+    _, _, _, _, k, s, p, d, _ = case
+    _, _, after = conv_geometry(case)
+    padded = F.pad(O, (p[1], after[1], p[0], after[0]))
+    return F.conv2d(padded, O.new_ones(1, 1, *k), stride=s, dilation=d)
+
+
+def ones_channel(case, holes: bool) -> torch.Tensor:
+    """O: all ones, or ones with a zero block and scattered zeros (S = 0 where a field is empty)."""
+    B, _, H, W, *_ = case
+    O = torch.ones(B, 1, H, W, dtype=torch.float64)
+    if holes:
+        O[:, :, : H // 2, : W // 2] = 0.0
+        mask = torch.rand(B, 1, H, W, generator=torch.Generator().manual_seed(5)) < 0.2
+        O[mask] = 0.0
+    return O
+
+
+def conv_inputs(case, dtype, with_gout: bool, holes: bool, seed: int = 0):
+    B, C, H, W, *_ = case
+    Ho, Wo, _ = conv_geometry(case)
+    g = torch.Generator().manual_seed(seed)
+    grad = torch.randn(B, C, Ho, Wo, generator=g).to(dtype)
+    bias = torch.randn(C, generator=g).to(dtype)
+    gout = torch.randn(B, 1, Ho, Wo, generator=g).to(dtype) if with_gout else None
+    O = ones_channel(case, holes)
+    S = S_fn(O, case).float()
+    return grad, bias, gout, O, S
+
+
+def autograd_reference(grad, bias, gout, O, case) -> torch.Tensor:
+    """∂/∂O of Σ bias·Ō·grad + Σ Ō·grad_ones_out, Ō = S/stopgrad(S) (0 where S = 0)."""
+    O = O.double().clone().requires_grad_(True)
+    S = S_fn(O, case)
+    Sd = S.detach()
+    empty = Sd == 0
+    O_bar = torch.where(empty, 0.0, S / torch.where(empty, 1.0, Sd))
+    total = (bias.double().view(1, -1, 1, 1) * O_bar * grad.double()).sum()
+    if gout is not None:
+        total = total + (O_bar * gout.double()).sum()
+    (dO,) = torch.autograd.grad(total, O)
+    return dO
+
+
+def loop_reference(grad, bias, gout, S, case) -> torch.Tensor:
+    """The same by hand: each output position's share r = (Σ_c g·b + g_O)/S to every tap."""
+    B, C, H, W, k, s, p, d, _ = case
+    _, _, Ho, Wo = grad.shape
+    g = grad.double().tolist()
+    b = bias.double().tolist()
+    go = gout.double().tolist() if gout is not None else None
+    Sl = S.double().tolist()
+    out = [[[0.0] * W for _ in range(H)] for _ in range(B)]
+    for n in range(B):
+        for oh in range(Ho):
+            for ow in range(Wo):
+                total = Sl[n][0][oh][ow]
+                if total == 0:
+                    continue
+                r = sum(g[n][c][oh][ow] * b[c] for c in range(C))
+                if go is not None:
+                    r += go[n][0][oh][ow]
+                r /= total
+                for i in range(k[0]):
+                    qh = oh * s[0] - p[0] + i * d[0]
+                    for j in range(k[1]):
+                        qw = ow * s[1] - p[1] + j * d[1]
+                        if 0 <= qh < H and 0 <= qw < W:
+                            out[n][qh][qw] += r
+    return torch.tensor(out, dtype=torch.float64).unsqueeze(1)
+
+
+def conv_tolerance(dtype):
+    return 1e-12 if dtype == torch.float64 else 2e-5
+
+
+def assert_close_scaled(got: torch.Tensor, ref: torch.Tensor, tol: float):
+    scale = ref.abs().max().item() + 1e-30
+    torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * scale)
+
+
+def call_backward(ext, grad, bias, gout, S, case):
+    B, C, H, W, k, s, p, d, _ = case
+    return ext.conv_bias_ones_backward(grad, bias, gout, S, H, W, k[0], k[1], s[0], s[1], p[0],
+                                       p[1], d[0], d[1])
+
+
+@pytest.mark.parametrize("holes", [False, True], ids=["ones", "holes"])
+@pytest.mark.parametrize("with_gout", [False, True], ids=["no_gout", "gout"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", CONV_CASES, ids=case_id)
+def test_conv_bias_ones_backward_matches_autograd(ext, case, dtype, with_gout, holes):
+    grad, bias, gout, O, S = conv_inputs(case, dtype, with_gout, holes)
+    if case[5] == (1, 1) and case[6] == (2, 2) and case[4] == (1, 1):
+        assert (S == 0).any()  # the 1×1 case with padding 2 has empty receptive fields
+    got = call_backward(ext, grad, bias, gout, S, case)
+    B, _, H, W, *_ = case
+    assert got.shape == (B, 1, H, W)
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_close_scaled(got, autograd_reference(grad, bias, gout, O, case), conv_tolerance(dtype))
+
+
+@pytest.mark.parametrize("case", [c for c in CONV_CASES if c[0] * c[1] * c[2] * c[3] <= 4000],
+                         ids=case_id)
+def test_conv_bias_ones_backward_matches_loop(ext, case):
+    for with_gout, holes in ((True, False), (False, True)):
+        grad, bias, gout, O, S = conv_inputs(case, torch.float64, with_gout, holes, seed=7)
+        got = call_backward(ext, grad, bias, gout, S, case)
+        assert_close_scaled(got, loop_reference(grad, bias, gout, S, case), 1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [CONV_CASES[1], CONV_CASES[4], CONV_CASES[10]], ids=case_id)
+def test_conv_bias_parts_and_non_contiguous_inputs(ext, case, dtype):
+    grad, bias, gout, O, S = conv_inputs(case, dtype, True, True, seed=11)
+    B, C, H, W, k, s, p, d, _ = case
+    # bias_share against its formula.
+    share = ext.bias_share(grad, bias, gout, S)
+    assert share.shape == (B, S.shape[2], S.shape[3])
+    num = (grad.double() * bias.double().view(1, -1, 1, 1)).sum(1) + gout.double()[:, 0]
+    S64 = S.double()[:, 0]
+    ref_share = torch.where(S64 == 0, 0.0, num / torch.where(S64 == 0, 1.0, S64))
+    assert_close_scaled(share, ref_share, conv_tolerance(dtype))
+    # spread_bias_share against autograd of Σ S(O)·r, and the fused call is the composition.
+    geometry = (H, W, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1])
+    spread = ext.spread_bias_share(share, *geometry)
+    O64 = O.clone().requires_grad_(True)
+    (ref_spread,) = torch.autograd.grad((S_fn(O64, case)[:, 0] * share.double()).sum(), O64)
+    assert_close_scaled(spread, ref_spread, conv_tolerance(dtype))
+    torch.testing.assert_close(ext.spread_bias_share(share.unsqueeze(1), *geometry), spread,
+                               rtol=0, atol=0)
+    fused = call_backward(ext, grad, bias, gout, S, case)
+    torch.testing.assert_close(fused, spread, rtol=0, atol=0)
+    # Non-contiguous views of the same values give the same bits.
+    grad_nc = grad.contiguous(memory_format=torch.channels_last)
+    bias_nc = torch.stack([bias, torch.full_like(bias, float("nan"))], 1)[:, 0]
+    S_nc = S.transpose(2, 3).contiguous().transpose(2, 3)
+    gout_nc = torch.cat([gout, torch.full_like(gout, float("nan"))], 3)[..., : gout.shape[3]]
+    assert not (grad_nc.is_contiguous() or bias_nc.is_contiguous() or S_nc.is_contiguous()
+                or gout_nc.is_contiguous())
+    torch.testing.assert_close(call_backward(ext, grad_nc, bias_nc, gout_nc, S_nc, case), fused,
+                               rtol=0, atol=0)
+    share_nc = share.transpose(1, 2).contiguous().transpose(1, 2)
+    torch.testing.assert_close(ext.spread_bias_share(share_nc, *geometry), spread, rtol=0, atol=0)
+
+
+def test_conv_bias_mixed_dtypes_and_thread_independence(ext):
+    case = CONV_CASES[-1]
+    grad, bias, gout, O, S = conv_inputs(case, torch.float16, True, True)
+    ref = autograd_reference(grad, bias.float(), gout, O, case)
+    got = call_backward(ext, grad, bias.float(), gout.double(), S.double(), case)
+    assert got.dtype == torch.float32
+    assert_close_scaled(got, ref, 2e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = call_backward(ext, grad, bias, gout, S, case)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(call_backward(ext, grad, bias, gout, S, case), serial, rtol=0,
+                               atol=0)
+
+
+def test_conv_bias_errors(ext):
+    grad = torch.randn(2, 3, 5, 5)
+    bias = torch.randn(3)
+    S = torch.ones(2, 1, 5, 5)
+    geometry = (5, 5, 3, 3, 1, 1, 1, 1, 1, 1)
+    with pytest.raises(RuntimeError, match=r"bias must have shape \(Cout,\) = \(3,\)"):
+        ext.conv_bias_ones_backward(grad, torch.randn(4), None, S, *geometry)
+    with pytest.raises(RuntimeError, match=r"S must have shape \(B, 1, Ho, Wo\)"):
+        ext.conv_bias_ones_backward(grad, bias, None, torch.ones(2, 1, 5, 4), *geometry)
+    with pytest.raises(RuntimeError, match="grad_ones_out must have shape"):
+        ext.conv_bias_ones_backward(grad, bias, torch.ones(2, 2, 5, 5), S, *geometry)
+    with pytest.raises(RuntimeError, match=r"grad must have shape \(B, Cout, Ho, Wo\)"):
+        ext.bias_share(grad[0], bias, None, S)
+    with pytest.raises(TypeError, match="float32, float64, float16 or bfloat16"):
+        ext.bias_share(grad.long(), bias, None, S)
+    with pytest.raises(RuntimeError, match="CPU tensor"):
+        ext.bias_share(grad.to("meta"), bias, None, S)
+    with pytest.raises(RuntimeError, match="too small for input"):
+        ext.conv_bias_ones_backward(grad, bias, None, S, 9, 5, 3, 3, 1, 1, 1, 1, 1, 1)
+    with pytest.raises(RuntimeError, match="stride must be positive"):
+        ext.spread_bias_share(S, 5, 5, 3, 3, 0, 1, 1, 1, 1, 1)
+    with pytest.raises(RuntimeError, match=r"r must have shape \(B, Ho, Wo\)"):
+        ext.spread_bias_share(torch.ones(2, 3, 5, 5), *geometry)
