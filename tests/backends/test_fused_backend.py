@@ -1,0 +1,157 @@
+"""The fused backend against the reference, and the fused ops' registrations.
+
+The fused backend keeps one ones value per pixel and runs ``omenn::`` ops (C++ on the
+CPU, Triton on CUDA) for activations, convolutions and attention; it must give the
+reference's C, C_w and C_b: relative error (Frobenius) ≤ 1e-5 in float32 and ≤ 1e-10
+in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from omenn_kernels import Explainer, explain
+from omenn_kernels.linearize.rules import activation, attention, conv
+from omenn_kernels.testing import FAMILIES, randomize_
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _both(model, x, target=None):
+    reference = Explainer(model, backend="reference")(x, target)
+    fused = Explainer(model, backend="fused")(x, reference.target)
+    return reference, fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_fused_equals_reference_on_every_family(name, dtype):
+    family = FAMILIES[name]
+    torch.manual_seed(3)
+    model = randomize_(family.build(), seed=3).to(dtype).eval()
+    x = torch.randn(2, 3, family.size, family.size, dtype=dtype)
+    reference, fused = _both(model, x)
+    for field in ("contribution", "weight", "bias"):
+        assert _relative(getattr(fused, field), getattr(reference, field)) <= TOLERANCE[dtype], field
+    torch.testing.assert_close(fused.logit, reference.logit, rtol=TOLERANCE[dtype], atol=0)
+
+
+def test_auto_backend_is_the_fused_one():
+    model = randomize_(FAMILIES["cnn"].build()).double().eval()
+    x = torch.randn(1, 3, 32, 32, dtype=torch.float64)
+    auto = explain(model, x, 1, backend="auto")
+    fused = explain(model, x, 1, backend="fused")
+    assert torch.equal(auto.contribution, fused.contribution)
+
+
+def test_fused_backend_runs_the_fused_ops(monkeypatch):
+    """Activations and per-pixel convolutions go through the omenn:: ops on the CPU."""
+    calls = {"activation": 0, "conv": 0}
+
+    def counting(name, op):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return op(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(activation, "activation_op", counting("activation", activation.activation_op))
+    monkeypatch.setattr(conv, "conv2d_ones", counting("conv", conv.conv2d_ones))
+    model = randomize_(FAMILIES["cnn"].build()).eval()
+    explain(model, torch.randn(2, 3, 32, 32), 0, backend="fused")
+    # cnn: ReLU, SiLU, GELU; the first conv sees per-pixel ones, the second follows a max
+    # pool (per-channel ones: reference form), the depthwise third sees per-pixel ones.
+    assert calls == {"activation": 3, "conv": 2}
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration",
+                                                "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "silu", "relu", "leaky_relu", "hardswish"])
+def test_opcheck_activation(kind):
+    x = torch.randn(2, 5, 7, requires_grad=True)
+    _opcheck(torch.ops.omenn.activation.default, (x, kind, 0.1))
+    _opcheck(torch.ops.omenn.activation_backward.default, (torch.randn(2, 5, 7), x.detach(), kind, 0.1))
+
+
+def test_activation_op_gradient_is_the_detached_multiplier():
+    x = torch.randn(3, 11, dtype=torch.float64, requires_grad=True)
+    y = activation.activation_op(x, "gelu", 0.0)
+    grad = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, grad)
+    phi = 0.5 * (1 + torch.erf(x.detach() / math.sqrt(2)))
+    torch.testing.assert_close(y.detach(), x.detach() * phi, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(dx, grad * phi, rtol=1e-12, atol=1e-14)
+
+
+def _conv_inputs(dtype=torch.float32):
+    x = torch.randn(2, 4, 9, 8, dtype=dtype, requires_grad=True)
+    ones = torch.ones(2, 1, 9, 8, dtype=dtype, requires_grad=True)
+    weight, bias = torch.randn(6, 2, 3, 3, dtype=dtype), torch.randn(6, dtype=dtype)
+    stride, padding, dilation = [2, 1], [1, 2], [1, 2]
+    window_sum = torch.nn.functional.conv2d(ones.detach(), ones.new_ones(1, 1, 3, 3), None, stride,
+                                            padding, dilation).float()
+    return x, ones, window_sum, weight, bias, stride, padding, dilation, 2
+
+
+def test_opcheck_conv2d_ones():
+    _opcheck(torch.ops.omenn.conv2d_ones.default, _conv_inputs())
+
+
+def test_conv2d_ones_gradients_equal_the_reference_rule():
+    """Against R2 written with autograd: ``conv(x) + b·S/stopgrad(S)``."""
+    x, ones, window_sum, weight, bias, stride, padding, dilation, groups = _conv_inputs(torch.float64)
+    value, ones_out = conv.conv2d_ones(x, ones, window_sum, weight, bias, stride, padding, dilation, groups)
+    grad, grad_ones = torch.randn_like(value), torch.randn_like(ones_out)
+    dx, dones = torch.autograd.grad((value * grad).sum() + (ones_out * grad_ones).sum(), [x, ones])
+    s = torch.nn.functional.conv2d(ones, ones.new_ones(1, 1, 3, 3), None, stride, padding, dilation)
+    share = s / s.detach()
+    expected = torch.nn.functional.conv2d(x, weight, None, stride, padding, dilation, groups) \
+        + bias.view(1, -1, 1, 1) * share
+    ex, eones = torch.autograd.grad((expected * grad).sum() + (share * grad_ones).sum(), [x, ones])
+    torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dx, ex, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dones, eones, rtol=1e-12, atol=1e-12)
+
+
+def _attention_inputs(with_bias: bool):
+    q, k = torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)
+    v = torch.randn(2, 3, 7, 8, requires_grad=True)
+    bias = torch.randn(1, 3, 7, 7) if with_bias else None
+    return q, k, v, bias, 0.35
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_opcheck_attention(with_bias):
+    _opcheck(torch.ops.omenn.attention.default, _attention_inputs(with_bias))
+
+
+def test_attention_op_gives_only_dv_equal_to_weights_transposed_times_grad():
+    q, k, v, bias, scale = _attention_inputs(True)
+    out, lse = attention.attention_op(q, k, v, bias, scale)
+    weights = torch.softmax(q @ k.transpose(-2, -1) * scale + bias, -1)
+    torch.testing.assert_close(out, weights @ v, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(q @ k.transpose(-2, -1) * scale + bias, -1))
+    grad = torch.randn_like(out)
+    (dv,) = torch.autograd.grad(out, v, grad)
+    torch.testing.assert_close(dv, weights.transpose(-2, -1) @ grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["cnn", "vit", "convnext", "efficientnet", "swin"])
+def test_fused_on_cuda_equals_reference(name):
+    family = FAMILIES[name]
+    torch.manual_seed(4)
+    model = randomize_(family.build(), seed=4).cuda().eval()
+    x = torch.randn(2, 3, family.size, family.size, device="cuda")
+    reference, fused = _both(model, x)
+    for field in ("contribution", "weight", "bias"):
+        assert _relative(getattr(fused, field), getattr(reference, field)) <= 1e-4, field
