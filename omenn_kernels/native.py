@@ -36,13 +36,17 @@ NAME = "omenn_cpu"
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 SOURCES = ("activation.cpp", "conv_bias.cpp", "bindings.cpp")
 def _simd_flags() -> list[str]:
-    """AVX2 flags where this CPU has AVX2, FMA and F16C (as PyTorch's AVX2 kernels), so ATen's SIMD vectors (and Sleef's
+    """AVX-512 (or AVX2) flags where this CPU has them, as PyTorch's own kernels pick, so ATen's SIMD vectors (and Sleef's
     erfc/exp) serve the float32 GELU and SiLU loops, as in PyTorch's own kernels."""
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return []
-    if {"avx2", "fma", "f16c"} <= set(flags):
+    present = set(flags)
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= present:
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
+    if {"avx2", "fma", "f16c"} <= present:
         return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return []
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from omenn_kernels import Explainer, explain
-from omenn_kernels.linearize.rules import activation, attention, conv
+from omenn_kernels.linearize.rules import activation, attention, conv, norm
 from omenn_kernels.testing import FAMILIES, randomize_
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -90,6 +90,23 @@ def test_activation_op_gradient_is_the_detached_multiplier():
     phi = 0.5 * (1 + torch.erf(x.detach() / math.sqrt(2)))
     torch.testing.assert_close(y.detach(), x.detach() * phi, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(dx, grad * phi, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("ones_channels", [1, 5])
+def test_batch_norm_ones_equals_the_reference_rule(ones_channels):
+    """Against R3 written with autograd: ``x·s + b'·O``, ones shared or per channel."""
+    x = torch.randn(2, 5, 4, 3, dtype=torch.float64, requires_grad=True)
+    ones = torch.ones(2, ones_channels, 4, 3, dtype=torch.float64, requires_grad=True)
+    scale, shift = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    value = norm.batch_norm_ones(x, ones, scale, shift)
+    expected = x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1) * ones
+    grad = torch.randn_like(value)
+    got = torch.autograd.grad(value, [x, ones], grad)
+    want = torch.autograd.grad(expected, [x, ones], grad)
+    torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    _opcheck(torch.ops.omenn.batch_norm_ones.default, (x, ones, scale, shift))
 
 
 def _conv_inputs(dtype=torch.float32):

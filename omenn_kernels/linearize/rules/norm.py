@@ -5,6 +5,11 @@ R3 (BatchNorm in eval mode, per-channel affine maps): ``x·s + b'·O`` with
 R3' (LayerNorm, GroupNorm, RMSNorm): centring stays linear, ``1/σ`` (or 1/rms) is a
 detached multiplier, ``γ`` scales and ``β`` is carried by ``Ō``, the mean of the ones
 over the normalized dimensions.
+
+Fused op ``omenn::batch_norm_ones`` (R3): the value ``x·s + b'`` without multiplying by
+the ones (they are 1 wherever a shift is added, ``require_reached``), and a backward of
+``dy·s`` for the input and ``Σ_c dy·b'`` for the ones, instead of the reference's
+broadcast products and their gradients.
 """
 
 from __future__ import annotations
@@ -24,15 +29,61 @@ def _channel_view(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def batch_norm_affine(x: Live, weight, bias, running_mean, running_var, eps: float) -> Live:
     """R3: eval-mode BatchNorm as the per-channel affine map ``x·s + b'·O``."""
+    scale, shift = _affine_of(weight, bias, running_mean, running_var, eps)
+    require_reached(x.ones)
+    value = x.value * _channel_view(scale, x.value) + _channel_view(shift, x.value) * x.ones
+    return Live(value, x.ones)
+
+
+def _affine_of(weight, bias, running_mean, running_var, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.rsqrt(running_var + eps)
     if weight is not None:
         scale = scale * weight
     shift = -running_mean * scale
-    if bias is not None:
-        shift = shift + bias
+    return scale, shift if bias is None else shift + bias
+
+
+@torch.library.custom_op("omenn::batch_norm_ones", mutates_args=())
+def batch_norm_ones(x: torch.Tensor, ones: torch.Tensor, scale: torch.Tensor,
+                    shift: torch.Tensor) -> torch.Tensor:
+    """R3's value ``x·s + b'`` (the ones are 1 wherever they are used).
+
+    Rounded as the reference rounds it (no fused multiply-add): a last-bit difference
+    can flip a later ReLU whose input is within rounding of 0.
+    """
+    return x * _channel_view(scale, x) + _channel_view(shift, x)
+
+
+@batch_norm_ones.register_fake
+def _batch_norm_ones_fake(x, ones, scale, shift):
+    return torch.empty_like(x)
+
+
+def _batch_norm_ones_setup(ctx, inputs, output) -> None:
+    _x, ones, scale, shift = inputs
+    ctx.ones_shape = ones.shape
+    ctx.save_for_backward(scale, shift)
+
+
+def _batch_norm_ones_grad(ctx, grad):
+    scale, shift = ctx.saved_tensors
+    grad_x = grad * _channel_view(scale, grad)
+    if len(ctx.ones_shape) > 1 and ctx.ones_shape[1] == 1:  # ones shared by the channels
+        grad_ones = torch.einsum("bc...,c->b...", grad, shift).unsqueeze(1)
+    else:
+        grad_ones = grad * _channel_view(shift, grad)
+    return grad_x, grad_ones.sum_to_size(ctx.ones_shape), None, None
+
+
+batch_norm_ones.register_autograd(_batch_norm_ones_grad, setup_context=_batch_norm_ones_setup)
+
+
+def _fused_batch_norm_no_training(op, *args, **kwargs):
+    x, weight, bias, mean, var, _momentum, eps = arguments(op, args, kwargs)
     require_reached(x.ones)
-    value = x.value * _channel_view(scale, x.value) + _channel_view(shift, x.value) * x.ones
-    return Live(value, x.ones)
+    scale, shift = _affine_of(weight, bias, mean, var, eps)
+    empty = x.value.new_empty(0)
+    return Live(batch_norm_ones(x.value, x.ones, scale, shift), x.ones), empty, empty
 
 
 def _batch_norm_no_training(op, *args, **kwargs):
@@ -109,7 +160,8 @@ def _native_group_norm(op, *args, **kwargs):
     return _grouped(x, groups, weight, bias, eps), empty, empty
 
 
-register([aten._native_batch_norm_legit_no_training], Rule("R3 BatchNorm (eval)", _batch_norm_no_training))
+register([aten._native_batch_norm_legit_no_training],
+         Rule("R3 BatchNorm (eval)", _batch_norm_no_training, _fused_batch_norm_no_training))
 register([aten.batch_norm], Rule("R3 BatchNorm (eval)", _batch_norm))
 register([aten.layer_norm, aten.native_layer_norm], Rule("R3' LayerNorm", _layer_norm))
 register([aten.rms_norm], Rule("R3' RMSNorm", _rms_norm))

@@ -1,0 +1,41 @@
+"""Markdown tables from the pytest-benchmark JSON results in ``bench/results/``.
+
+    python bench/report.py bench/results/end_to_end_cpu.json bench/results/kernels_cpu.json
+
+End-to-end groups get each method's median and its ratio to input × gradient; kernel
+groups the median of each variant.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+
+
+def _variant(name: str) -> str:
+    return name.split("[", 1)[1].rstrip("]").split("-")[-1] if "[" in name else name
+
+
+def table(path: str) -> str:
+    data = json.load(open(path))
+    machine = data["machine_info"]
+    cpu = machine.get("cpu", {}).get("brand_raw", machine.get("device", "?"))
+    groups: dict[str, dict[str, float]] = defaultdict(dict)
+    for bench in data["benchmarks"]:
+        groups[bench["group"]][_variant(bench["name"])] = bench["stats"]["median"]
+    lines = [f"Machine: {cpu}, {machine.get('torch_threads', '?')} threads, torch {machine.get('torch')}, "
+             f"triton {machine.get('triton', '?')}, {machine.get('date', '?')} (`{path}`)", ""]
+    for group, medians in groups.items():
+        base = medians.get("input_x_gradient")
+        lines.append(f"| {group} | median | {'÷ input×gradient' if base else ''} |")
+        lines.append("|---|---|---|")
+        for variant, median in medians.items():
+            ratio = f"{median / base:.2f}" if base else ""
+            lines.append(f"| {variant} | {median * 1e3:.1f} ms | {ratio} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print("\n".join(table(p) for p in sys.argv[1:]))
