@@ -179,12 +179,18 @@ def test_same_call_twice_gives_bitwise_equal_explanations():
         assert _bitwise_equal(a, b)
 
 
+def _explain_inside(context, model, x, target) -> Explanation:
+    """``explain`` inside ``context`` gives the C it gives outside; returns the one from outside."""
+    reference = explain(model, x, target)
+    with context:
+        e = explain(model, x, target)
+    _assert_close(e.contribution, reference.contribution)
+    return reference
+
+
 def test_explain_under_no_grad_and_with_an_input_that_requires_grad():
     model, x = make_cnn(), make_input("cnn")
-    reference = explain(model, x, 2)
-    with torch.no_grad():
-        e = explain(model, x, 2)
-    _assert_close(e.contribution, reference.contribution)
+    reference = _explain_inside(torch.no_grad(), model, x, 2)
     x_grad = x.clone().requires_grad_(True)
     e = explain(model, x_grad, 2)
     _assert_close(e.contribution, reference.contribution)
@@ -628,11 +634,15 @@ def test_op_without_rule_is_named_with_its_path(name, module, op, kind):
         assert kind in err.rule_kind
 
 
-class DataDependent(nn.Module):
+class _Fc(nn.Module):
+    """Holds ``fc = Linear(48, K)`` for the (B, 3, 4, 4) inputs of ``_small_x``; subclasses write forward."""
+
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(48, K)
 
+
+class DataDependent(_Fc):
     def forward(self, x):
         if x.sum() > 0:
             return self.fc(x.flatten(1))
@@ -646,10 +656,9 @@ def test_data_dependent_control_flow_is_a_capture_error():
     assert "data-dependent" in str(info.value)
 
 
-class TwoOutputs(nn.Module):
+class TwoOutputs(_Fc):
     def __init__(self, as_dict: bool) -> None:
         super().__init__()
-        self.fc = nn.Linear(48, K)
         self.as_dict = as_dict
 
     def forward(self, x):
@@ -663,10 +672,9 @@ def test_model_with_several_outputs_is_a_capture_error(as_dict):
         explain(TwoOutputs(as_dict).to(DT), _small_x(), 0)
 
 
-class CountsCalls(nn.Module):
+class CountsCalls(_Fc):
     def __init__(self) -> None:
         super().__init__()
-        self.fc = nn.Linear(48, K)
         self.register_buffer("calls", torch.zeros((), dtype=DT))
 
     def forward(self, x):
@@ -695,10 +703,9 @@ def test_sigmoid_output_is_an_elementwise_activation():
     assert _relative_error(e.contribution.sum((1, 2)), _logits(model, x)[:, 3]) <= RTOL_COMPLETE
 
 
-class IgnoresInput(nn.Module):
+class IgnoresInput(_Fc):
     def __init__(self, via_linear: bool) -> None:
         super().__init__()
-        self.fc = nn.Linear(48, K)
         self.via_linear = via_linear
 
     def forward(self, x):
@@ -725,11 +732,7 @@ def test_output_that_is_not_batch_by_classes_is_a_clear_error(model, shape):
 # --------------------------------------------------------------------------- edge cases of use
 
 
-class ZerosLike(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(48, K)
-
+class ZerosLike(_Fc):
     def forward(self, x):
         return self.fc((x + torch.zeros_like(x)).flatten(1) + x.new_zeros(x.shape[0], 48))
 
@@ -742,11 +745,7 @@ def test_shape_only_tensor_factories_are_constants():
 
 
 def test_explain_inside_inference_mode():
-    model, x = make_mlp(), make_input("mlp")
-    reference = explain(model, x, 2)
-    with torch.inference_mode():
-        e = explain(model, x, 2)
-    _assert_close(e.contribution, reference.contribution)
+    _explain_inside(torch.inference_mode(), make_mlp(), make_input("mlp"), 2)
 
 
 def test_explain_an_inference_tensor():

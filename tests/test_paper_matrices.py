@@ -634,16 +634,27 @@ def case_layernorm_linear() -> Case:
     return Case(model, make_input((2, 6, 3, 3), 105), 2, build)
 
 
-def case_attention(use_sdpa: bool) -> Case:
-    model = randomize(nn.Sequential(Tokens(), Attention(8, 2, use_sdpa), MeanTokens(), nn.Linear(8, 3)), seed=6)
+def mean_head_build(body: Callable[[Chain, nn.Module], None]):
+    """The builder of ``Sequential(Tokens(), body, MeanTokens(), Linear head)``: ``body(ch, m[1])``."""
 
     def build(m, x, tgt):
         ch = Chain(image_tokens(x), x.shape[1:])
-        ch.attention("attn", m[1])
+        body(ch, m[1])
         ch.mean_tokens("mean")
         ch.linear("head", m[3])
         return ch, readout_row(1, ch.d, 0, tgt)
 
+    return build
+
+
+def residual_mean_head_build(name: str, branch: Callable[[Chain, nn.Sequential], None]):
+    """``mean_head_build`` with ``ResidualTokens(inner)`` as the body: ``branch(sub_chain, inner)``."""
+    return mean_head_build(lambda ch, res: ch.residual(name, lambda s: branch(s, res.inner)))
+
+
+def case_attention(use_sdpa: bool) -> Case:
+    model = randomize(nn.Sequential(Tokens(), Attention(8, 2, use_sdpa), MeanTokens(), nn.Linear(8, 3)), seed=6)
+    build = mean_head_build(lambda ch, attn: ch.attention("attn", attn))
     return Case(model, make_input((2, 8, 2, 3), 106), 0, build)
 
 
@@ -651,39 +662,23 @@ def case_attention_block(use_sdpa: bool) -> Case:
     inner = nn.Sequential(nn.LayerNorm(8), Attention(8, 2, use_sdpa))
     model = randomize(nn.Sequential(Tokens(), ResidualTokens(inner), MeanTokens(), nn.Linear(8, 3)), seed=7)
 
-    def build(m, x, tgt):
-        ch = Chain(image_tokens(x), x.shape[1:])
+    def branch(s: Chain, inner: nn.Sequential) -> None:
+        s.layernorm("ln", inner[0])
+        s.attention("attn", inner[1])
 
-        def branch(s: Chain) -> None:
-            s.layernorm("ln", m[1].inner[0])
-            s.attention("attn", m[1].inner[1])
-
-        ch.residual("res_attn", branch)
-        ch.mean_tokens("mean")
-        ch.linear("head", m[3])
-        return ch, readout_row(1, ch.d, 0, tgt)
-
-    return Case(model, make_input((2, 8, 2, 3), 107), 2, build)
+    return Case(model, make_input((2, 8, 2, 3), 107), 2, residual_mean_head_build("res_attn", branch))
 
 
 def case_residual_mlp() -> Case:
     inner = nn.Sequential(nn.Linear(6, 12), nn.GELU(), nn.Linear(12, 6))
     model = randomize(nn.Sequential(Tokens(), ResidualTokens(inner), MeanTokens(), nn.Linear(6, 3)), seed=8)
 
-    def build(m, x, tgt):
-        ch = Chain(image_tokens(x), x.shape[1:])
+    def branch(s: Chain, inner: nn.Sequential) -> None:
+        s.linear("fc1", inner[0])
+        s.act("gelu", "gelu")
+        s.linear("fc2", inner[2])
 
-        def branch(s: Chain) -> None:
-            s.linear("fc1", m[1].inner[0])
-            s.act("gelu", "gelu")
-            s.linear("fc2", m[1].inner[2])
-
-        ch.residual("res_mlp", branch)
-        ch.mean_tokens("mean")
-        ch.linear("head", m[3])
-        return ch, readout_row(1, ch.d, 0, tgt)
-
-    return Case(model, make_input((2, 6, 3, 3), 108), 1, build)
+    return Case(model, make_input((2, 6, 3, 3), 108), 1, residual_mean_head_build("res_mlp", branch))
 
 
 def case_cls_pos() -> Case:

@@ -2,6 +2,6 @@
 
 from . import rules  # noqa: F401  (registers every rule)
 from .program import Kind, LinearizedProgram, linearize
-from .registry import Rule, lookup, register, registered_ops
+from .registry import Rule, lookup, register
 
-__all__ = ["Kind", "LinearizedProgram", "Rule", "linearize", "lookup", "register", "registered_ops"]
+__all__ = ["Kind", "LinearizedProgram", "Rule", "linearize", "lookup", "register"]

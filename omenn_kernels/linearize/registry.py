@@ -101,11 +101,6 @@ def lookup(op: OpKey) -> Rule | None:
     return _RULES.get(op)
 
 
-def registered_ops() -> list[str]:
-    """Names of every operation with a rule (for documentation and tests)."""
-    return sorted(op_name(op) for op in _RULES)
-
-
 def op_name(op: OpKey) -> str:
     """A readable name such as ``aten.conv2d.default``."""
     if isinstance(op, torch._ops.OpOverload):

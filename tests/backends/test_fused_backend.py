@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from omenn_kernels import Explainer, explain
-from omenn_kernels.linearize.rules import activation, attention, conv, norm
+from omenn_kernels.linearize.rules import activation, attention, conv, linear, norm
 from omenn_kernels.testing import FAMILIES, randomize_
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -107,6 +107,26 @@ def test_batch_norm_ones_equals_the_reference_rule(ones_channels):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
     _opcheck(torch.ops.omenn.batch_norm_ones.default, (x, ones, scale, shift))
+
+
+@pytest.mark.parametrize("ones_features", [1, 6])
+def test_linear_ones_equals_the_reference_rule_with_gate_only_features(ones_features):
+    """Against R1 written with autograd, when two thirds of the outputs get no gradient."""
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    ones = torch.ones(2, 5, ones_features, dtype=torch.float64, requires_grad=True)
+    weight, bias = torch.randn(9, 6, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    value, ones_bar = linear.linear_ones(x, ones, weight, bias)
+    expected_bar = ones.mean(-1, keepdim=True)
+    expected = torch.nn.functional.linear(x, weight) + bias * expected_bar
+    grad = torch.randn_like(value)
+    grad[..., :6] = 0  # e.g. the query and key thirds of a qkv projection
+    grad_bar = torch.randn_like(ones_bar)
+    got = torch.autograd.grad((value * grad).sum() + (ones_bar * grad_bar).sum(), [x, ones])
+    want = torch.autograd.grad((expected * grad).sum() + (expected_bar * grad_bar).sum(), [x, ones])
+    torch.testing.assert_close(value, expected, rtol=0, atol=0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    _opcheck(torch.ops.omenn.linear_ones.default, (x, ones, weight, bias))
 
 
 def _conv_inputs(dtype=torch.float32):

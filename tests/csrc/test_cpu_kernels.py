@@ -3,7 +3,8 @@
 The extension must build here: a build failure makes these tests fail (the ``ext``
 fixture raises), never skip.
 
-References, all written in this file and computed in float64 from the same inputs:
+References, computed in float64 from the same inputs, written in this file or (shared
+with the Triton tests) in ``tests/kernel_references.py``:
 
 - activations (R4): the closed forms of ξ, and torch's own F.gelu / silu / relu /
   leaky_relu / hardswish;
@@ -30,6 +31,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_references import (bias_share_reference, conv_bias_grads, ones_bar_backward, torch_activation,
+                               xi_reference)
 from omenn_kernels import native
 
 KINDS = ("gelu", "gelu_tanh", "silu", "relu", "leaky_relu", "hardswish")
@@ -53,35 +56,6 @@ def test_loader_builds_once_and_is_available():
 
 
 # --------------------------------------------------------------------------- activations
-
-def xi_reference(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
-    """ξ(x) by the textbook formulas, in float64."""
-    x = x.double()
-    if kind == "gelu":
-        return 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    if kind == "gelu_tanh":
-        return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
-    if kind == "silu":
-        return torch.sigmoid(x)
-    if kind == "relu":
-        return (x > 0).double()
-    if kind == "leaky_relu":
-        return torch.where(x > 0, torch.ones_like(x), torch.full_like(x, slope))
-    if kind == "hardswish":
-        return (x + 3.0).clamp(0.0, 6.0) / 6.0
-    raise AssertionError(kind)
-
-
-def torch_activation(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
-    return {
-        "gelu": lambda: F.gelu(x),
-        "gelu_tanh": lambda: F.gelu(x, approximate="tanh"),
-        "silu": lambda: F.silu(x),
-        "relu": lambda: F.relu(x),
-        "leaky_relu": lambda: F.leaky_relu(x, slope),
-        "hardswish": lambda: F.hardswish(x),
-    }[kind]()
-
 
 def activation_input(dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """Ragged (3, 37, 13) values over ±8 with zeros, tiny values and hardswish's kinks."""
@@ -249,10 +223,7 @@ def ones_channel(case, holes: bool) -> torch.Tensor:
 def conv_inputs(case, dtype, with_gout: bool, holes: bool, seed: int = 0):
     B, C, H, W, *_ = case
     Ho, Wo, _ = conv_geometry(case)
-    g = torch.Generator().manual_seed(seed)
-    grad = torch.randn(B, C, Ho, Wo, generator=g).to(dtype)
-    bias = torch.randn(C, generator=g).to(dtype)
-    gout = torch.randn(B, 1, Ho, Wo, generator=g).to(dtype) if with_gout else None
+    grad, bias, gout = conv_bias_grads(B, C, Ho, Wo, dtype, with_gout, seed)
     O = ones_channel(case, holes)
     S = S_fn(O, case).float()
     return grad, bias, gout, O, S
@@ -260,16 +231,7 @@ def conv_inputs(case, dtype, with_gout: bool, holes: bool, seed: int = 0):
 
 def autograd_reference(grad, bias, gout, O, case) -> torch.Tensor:
     """∂/∂O of Σ bias·Ō·grad + Σ Ō·grad_ones_out, Ō = S/stopgrad(S) (0 where S = 0)."""
-    O = O.double().clone().requires_grad_(True)
-    S = S_fn(O, case)
-    Sd = S.detach()
-    empty = Sd == 0
-    O_bar = torch.where(empty, 0.0, S / torch.where(empty, 1.0, Sd))
-    total = (bias.double().view(1, -1, 1, 1) * O_bar * grad.double()).sum()
-    if gout is not None:
-        total = total + (O_bar * gout.double()).sum()
-    (dO,) = torch.autograd.grad(total, O)
-    return dO
+    return ones_bar_backward(O, lambda ones: S_fn(ones, case), grad, bias, gout)
 
 
 def loop_reference(grad, bias, gout, S, case) -> torch.Tensor:
@@ -347,10 +309,7 @@ def test_conv_bias_parts_and_non_contiguous_inputs(ext, case, dtype):
     # bias_share against its formula.
     share = ext.bias_share(grad, bias, gout, S)
     assert share.shape == (B, S.shape[2], S.shape[3])
-    num = (grad.double() * bias.double().view(1, -1, 1, 1)).sum(1) + gout.double()[:, 0]
-    S64 = S.double()[:, 0]
-    ref_share = torch.where(S64 == 0, 0.0, num / torch.where(S64 == 0, 1.0, S64))
-    assert_close_scaled(share, ref_share, conv_tolerance(dtype))
+    assert_close_scaled(share, bias_share_reference(grad, bias, gout, S), conv_tolerance(dtype))
     # spread_bias_share against autograd of Σ S(O)·r, and the fused call is the composition.
     geometry = (H, W, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1])
     spread = ext.spread_bias_share(share, *geometry)

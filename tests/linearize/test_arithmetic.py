@@ -16,25 +16,15 @@ import torch.nn as nn
 from omenn_kernels import UnsupportedOpError, explain
 from omenn_kernels.linearize import lookup
 from omenn_kernels.linearize.values import Live
+from rule_checks import ATOL, DT, RTOL, assert_complete, rand, tokens
 
 aten = torch.ops.aten
-DT = torch.float64
-RTOL = 1e-11
-ATOL = 1e-13
 C, H, W = 3, 2, 3
 T = H * W
 
 
-def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT) * scale
-
-
-def _tokens(x: torch.Tensor) -> torch.Tensor:
-    return x.flatten(2).transpose(1, 2)
-
-
 def _as_image(per_token_channel: torch.Tensor) -> torch.Tensor:
-    """(T, C) -> (C, H, W), the inverse of _tokens for one sample."""
+    """(T, C) -> (C, H, W), the inverse of tokens() for one sample."""
     return per_token_channel.T.reshape(C, H, W)
 
 
@@ -48,24 +38,22 @@ class _TokenModel(nn.Module):
             setattr(self, name, nn.Parameter(value))
         self.head = nn.Linear(T * C, 3, bias=False)
         with torch.no_grad():
-            self.head.weight.copy_(_rand(3, T * C, seed=seed))
+            self.head.weight.copy_(rand(3, T * C, seed=seed))
 
     def forward(self, x):
-        return self.head(self.body(self, _tokens(x)).flatten(1))
+        return self.head(self.body(self, tokens(x)).flatten(1))
 
 
 def _explain(model, seed=0, target=1):
-    x = _rand(2, C, H, W, seed=100 + seed, scale=1.3)
+    x = rand(2, C, H, W, seed=100 + seed, scale=1.3)
     e = explain(model, x, target)
-    logits = model(x).detach()
-    torch.testing.assert_close(e.logit, logits[:, target], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(e.contribution.sum((1, 2)), logits[:, target], rtol=1e-11, atol=1e-12)
+    assert_complete(e, model, x, target)
     return e, model.head.weight[target].detach().view(T, C), x
 
 
 def test_residual_averages_the_ones():
     """y = x + M·x (M mixes tokens), then + c: O_y = (O_x + mean_tokens O_x)/2 carries c."""
-    m, c = _rand(T, T, seed=1), _rand(C, seed=2)
+    m, c = rand(T, T, seed=1), rand(C, seed=2)
     model = _TokenModel(lambda s, t: (t + torch.matmul(s.m, t)) + s.c, seed=3, m=m, c=c).double()
     e, g, _ = _explain(model)
     # ∂/∂O[s, d] = c_d (g[s, d]/2 + Σ_t g[t, d]/(2T)); C_b sums over d.
@@ -82,7 +70,7 @@ def test_residual_averages_the_ones():
 
 
 def test_subtraction_with_alpha_of_live_tensors():
-    m, c = _rand(T, T, seed=4), _rand(C, seed=5)
+    m, c = rand(T, T, seed=4), rand(C, seed=5)
     model = _TokenModel(lambda s, t: torch.sub(torch.matmul(s.m, t), t, alpha=0.5) + s.c,
                         seed=6, m=m, c=c).double()
     e, g, _ = _explain(model, seed=1)
@@ -93,19 +81,19 @@ def test_subtraction_with_alpha_of_live_tensors():
 
 
 def test_add_rule_unit_ones_average():
-    a0, b0 = _rand(2, 4, seed=7), _rand(2, 4, seed=8)
+    a0, b0 = rand(2, 4, seed=7), rand(2, 4, seed=8)
     oa = torch.ones_like(a0, requires_grad=True)
     ob = torch.ones_like(b0, requires_grad=True)
     out = lookup(aten.add.Tensor).reference(aten.add.Tensor, Live(a0, oa), Live(b0, ob))
     torch.testing.assert_close(out.value, a0 + b0, rtol=0, atol=0)
-    up = _rand(2, 4, seed=9)
+    up = rand(2, 4, seed=9)
     ga, gb = torch.autograd.grad((out.ones * up).sum(), [oa, ob])
     torch.testing.assert_close(ga, up / 2, rtol=0, atol=0)
     torch.testing.assert_close(gb, up / 2, rtol=0, atol=0)
 
 
 def test_positional_embedding_carried_by_token_ones():
-    pos = _rand(T, C, seed=10)
+    pos = rand(T, C, seed=10)
     model = _TokenModel(lambda s, t: t + s.pos, seed=11, pos=pos).double()
     e, g, _ = _explain(model, seed=2)
     torch.testing.assert_close(e.bias, (pos * g).sum(1).view(H, W).expand(2, H, W), rtol=RTOL, atol=ATOL)
@@ -113,7 +101,7 @@ def test_positional_embedding_carried_by_token_ones():
 
 
 def test_constant_minus_live_and_negation():
-    c = _rand(C, seed=12)
+    c = rand(C, seed=12)
     model = _TokenModel(lambda s, t: (1.5 - t) + (-t) * 0.25 - s.c, seed=13, c=c).double()
     e, g, _ = _explain(model, seed=3)
     torch.testing.assert_close(e.weight, _as_image(-1.25 * g).expand(2, C, H, W), rtol=RTOL, atol=ATOL)
@@ -122,7 +110,7 @@ def test_constant_minus_live_and_negation():
 
 def test_scaling_by_constants_keeps_the_ones():
     """Layer scale (a parameter), a Python scalar and divisions: values scale, ones do not."""
-    gamma, d, c = _rand(C, seed=14), _rand(C, seed=15).abs() + 0.5, _rand(C, seed=16)
+    gamma, d, c = rand(C, seed=14), rand(C, seed=15).abs() + 0.5, rand(C, seed=16)
     model = _TokenModel(lambda s, t: ((t * s.gamma) * 0.5 + s.c) / s.d / 3.0,
                         seed=17, gamma=gamma, d=d, c=c).double()
     e, g, _ = _explain(model, seed=4)
@@ -154,12 +142,12 @@ class _Product(nn.Module):
         self.head = nn.Linear(T * C, 2)
 
     def forward(self, x):
-        return self.head(self.block(_tokens(x)).flatten(1))
+        return self.head(self.block(tokens(x)).flatten(1))
 
 
 def test_product_of_two_live_tensors_is_refused():
     with pytest.raises(UnsupportedOpError) as info:
-        explain(_Product().double(), _rand(1, C, H, W, seed=19), 0)
+        explain(_Product().double(), rand(1, C, H, W, seed=19), 0)
     err = info.value
     assert err.op == "aten.mul.Tensor"
     assert err.module_path == "block"
@@ -175,7 +163,7 @@ def test_square_is_refused():
 
 
 def test_dividing_by_a_live_tensor_is_refused():
-    c = _rand(T, C, seed=21).abs() + 1
+    c = rand(T, C, seed=21).abs() + 1
     model = _TokenModel(lambda s, t: torch.div(s.c, t), seed=22, c=c).double()
     with pytest.raises(UnsupportedOpError) as info:
         _explain(model)
@@ -194,7 +182,7 @@ def test_adding_a_gate_is_refused():
 class _PadThenConstant(nn.Module):
     def __init__(self):
         super().__init__()
-        self.c = nn.Parameter(_rand(2, 4, 4, seed=24))
+        self.c = nn.Parameter(rand(2, 4, 4, seed=24))
         self.head = nn.Linear(2 * 4 * 4, 2)
 
     def forward(self, x):
@@ -203,7 +191,7 @@ class _PadThenConstant(nn.Module):
 
 def test_constant_added_after_zero_padding_is_not_dropped():
     model = _PadThenConstant().double()
-    x = _rand(2, 2, 2, 2, seed=25)
+    x = rand(2, 2, 2, 2, seed=25)
     try:
         e = explain(model, x, 0)
     except UnsupportedOpError:

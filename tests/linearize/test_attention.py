@@ -29,31 +29,12 @@ import torch.nn.functional as F
 from omenn_kernels import UnsupportedOpError, explain
 from omenn_kernels.linearize.rules.attention import attended
 from omenn_kernels.linearize.values import Live
+from rule_checks import (ATOL, DT, SqueezeExcite, assert_complete, assert_sums_to_logit, rand, randomize,
+                         tokens)
 
-DT = torch.float64
-RTOL = 1e-10
-ATOL = 1e-13
+RTOL = 1e-10  # looser than rule_checks.RTOL (see the module docstring)
 H, W = 2, 3
 T = H * W
-
-
-def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT) * scale
-
-
-def _randomize(model: nn.Module, seed: int, scale: float = 0.8) -> nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
-        for b in model.buffers():
-            if b.is_floating_point():
-                b.copy_(torch.randn(b.shape, generator=g, dtype=b.dtype))
-    return model
-
-
-def _tokens(x: torch.Tensor) -> torch.Tensor:
-    return x.flatten(2).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -88,7 +69,7 @@ class Attention(nn.Module):
         return y[:, :, None].expand(b, self.kv_heads, r, t, d).reshape(b, self.heads, t, d)
 
     def forward(self, x):
-        t = _tokens(x)
+        t = tokens(x)
         b = t.shape[0]
         split = lambda y, n: y.view(b, -1, n, self.d).transpose(1, 2)  # noqa: E731
         q = split(self.q(t), self.heads) if self.query is None else self.query.expand(b, -1, -1, -1)
@@ -123,7 +104,7 @@ def hand_explanation(model: Attention, x: torch.Tensor, target: int):
     h, hk, d = model.heads, model.kv_heads, model.d
     rep = h // hk
     xg = x.clone().requires_grad_(True)
-    t = _tokens(xg)
+    t = tokens(xg)
     b = t.shape[0]
     k = lin(t, "k").view(b, T, hk, d).permute(0, 2, 1, 3)
     v = lin(t, "v").view(b, T, hk, d).permute(0, 2, 1, 3)
@@ -172,18 +153,16 @@ def _check(model: Attention, x: torch.Tensor, target: int):
     cw, cb, a = hand_explanation(model, x, target)
     torch.testing.assert_close(e.weight, cw, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(e.bias, cb, rtol=RTOL, atol=ATOL)
-    logits = model(x).detach()
-    torch.testing.assert_close(e.logit, logits[:, target], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(e.contribution.sum((1, 2)), logits[:, target], rtol=1e-10, atol=1e-12)
+    assert_complete(e, model, x, target, rtol=1e-10)
     return e, a
 
 
 def _input(seed: int, batch: int = 2) -> torch.Tensor:
-    return _rand(batch, 3, H, W, seed=seed, scale=1.5)
+    return rand(batch, 3, H, W, seed=seed, scale=1.5)
 
 
 def test_sdpa_and_written_out_attention_agree():
-    sdpa = _randomize(Attention(sdpa=True), seed=1).double()
+    sdpa = randomize(Attention(sdpa=True), seed=1).double()
     written = Attention(sdpa=False).double()
     written.load_state_dict(sdpa.state_dict())
     x = _input(2)
@@ -196,7 +175,7 @@ def test_sdpa_and_written_out_attention_agree():
 
 def test_bias_after_attention_goes_to_its_own_token():
     """R6 O_Y = O_V: a bias added after A·V is not mixed by A (only the proj bias here)."""
-    model = _randomize(Attention(value_bias=False), seed=3).double()
+    model = randomize(Attention(value_bias=False), seed=3).double()
     x = _input(4)
     e, a = _check(model, x, 0)
     g_out = model.head.weight[0].detach().view(T, -1)
@@ -209,7 +188,7 @@ def test_bias_after_attention_goes_to_its_own_token():
 
 def test_value_bias_goes_through_attention_weights():
     """The value bias is part of V = X W_v + b_v·Ō: A mixes it (the paper's W̃_v^T ⊗ A)."""
-    model = _randomize(Attention(proj_bias=False), seed=5).double()
+    model = randomize(Attention(proj_bias=False), seed=5).double()
     x = _input(6)
     e, a = _check(model, x, 2)
     # Not the token-identity share: the two differ for a non-uniform A.
@@ -221,7 +200,7 @@ def test_value_bias_goes_through_attention_weights():
 @pytest.mark.parametrize("queries", [1, 2])
 def test_cross_attention_ones_are_attention_weighted_mean(queries):
     """R6': learned queries (Tq != Tk): a bias after A·V is spread by the attention weights."""
-    model = _randomize(Attention(queries=queries, value_bias=False), seed=7 + queries, scale=1.2).double()
+    model = randomize(Attention(queries=queries, value_bias=False), seed=7 + queries, scale=1.2).double()
     x = _input(8)
     e, a = _check(model, x, 1)
     g_out = model.head.weight[1].detach().view(queries, -1)
@@ -231,12 +210,12 @@ def test_cross_attention_ones_are_attention_weighted_mean(queries):
 
 
 def test_learned_queries_as_many_as_tokens_use_weighted_mean():
-    model = _randomize(Attention(queries=T, value_bias=False), seed=10, scale=1.2).double()
+    model = randomize(Attention(queries=T, value_bias=False), seed=10, scale=1.2).double()
     _check(model, _input(9), 1)
 
 
 def test_cross_attention_with_value_bias():
-    model = _randomize(Attention(queries=1), seed=11, scale=1.2).double()
+    model = randomize(Attention(queries=1), seed=11, scale=1.2).double()
     _check(model, _input(12, batch=3), 0)
 
 
@@ -261,22 +240,22 @@ def test_attended_unit_identity_and_weighted_mean():
 
 
 def test_float_attention_mask():
-    mask = _rand(T, T, seed=14, scale=2.0)
-    model = _randomize(Attention(mask=mask), seed=15).double()
+    mask = rand(T, T, seed=14, scale=2.0)
+    model = randomize(Attention(mask=mask), seed=15).double()
     _check(model, _input(16), 2)
 
 
 def test_bool_attention_mask():
-    allowed = _rand(T, T, seed=17) > 0
+    allowed = rand(T, T, seed=17) > 0
     allowed |= torch.eye(T, dtype=torch.bool)
-    model = _randomize(Attention(mask=allowed), seed=18).double()
-    model.mask = allowed  # _randomize leaves bool buffers alone; keep the mask as drawn
+    model = randomize(Attention(mask=allowed), seed=18).double()
+    model.mask = allowed  # randomize leaves bool buffers alone; keep the mask as drawn
     _, a = _check(model, _input(19), 0)
     assert (a[:, :, ~allowed] == 0).all()
 
 
 def test_causal_attention():
-    model = _randomize(Attention(causal=True), seed=20).double()
+    model = randomize(Attention(causal=True), seed=20).double()
     _, a = _check(model, _input(21), 1)
     assert (a.triu(1) == 0).all()
 
@@ -287,27 +266,12 @@ def test_causal_attention():
     "written_repeat_interleave",
 ])
 def test_grouped_query_attention(variant):
-    model = _randomize(Attention(heads=4, kv_heads=2, sdpa=variant == "sdpa"), seed=22).double()
+    model = randomize(Attention(heads=4, kv_heads=2, sdpa=variant == "sdpa"), seed=22).double()
     model.repeat = variant.split("_", 1)[-1]
     _check(model, _input(23), 2)
 
 
 # ----------------------------------------------------------------------------- gates (R5)
-
-
-class SqueezeExcite(nn.Module):
-    def __init__(self, c: int, hidden: int, gate: str):
-        super().__init__()
-        self.fc1 = nn.Conv2d(c, hidden, 1)
-        self.fc2 = nn.Conv2d(hidden, c, 1)
-        self.gate = gate
-
-    def weights(self, x):
-        s = self.fc2(F.relu(self.fc1(x.mean((2, 3), keepdim=True))))
-        return torch.sigmoid(s) if self.gate == "sigmoid" else F.hardsigmoid(s)
-
-    def forward(self, x):
-        return x * self.weights(x)
 
 
 class SENet(nn.Module):
@@ -323,14 +287,13 @@ class SENet(nn.Module):
 
 @pytest.mark.parametrize("gate", ["sigmoid", "hardsigmoid"])
 def test_squeeze_excitation_gate_gets_no_gradient(gate):
-    model = _randomize(SENet(gate), seed=24, scale=1.0).double()
+    model = randomize(SENet(gate), seed=24, scale=1.0).double()
     with torch.no_grad():  # keep the hard-sigmoid off its flat parts, so the gate has a gradient
         for q in model.se.parameters():
             q.mul_(0.3)
     x = _input(25)
     e = explain(model, x, 1)
-    logits = model(x).detach()
-    torch.testing.assert_close(e.contribution.sum((1, 2)), logits[:, 1], rtol=1e-10, atol=1e-12)
+    assert_sums_to_logit(e, model, x, 1, rtol=1e-10)
     # Hand-written forward with the gate detached (ReLU's ξ is its derivative).
     p = {n: v.detach() for n, v in model.named_parameters()}
     xg = x.clone().requires_grad_(True)
@@ -357,7 +320,7 @@ class _Swish(nn.Module):
 
 
 def test_silu_written_as_gate_equals_silu():
-    silu = _randomize(_Swish(False), seed=26, scale=1.0).double()
+    silu = randomize(_Swish(False), seed=26, scale=1.0).double()
     written = _Swish(True).double()
     written.load_state_dict(silu.state_dict())
     x = _input(27)
@@ -370,4 +333,4 @@ def test_silu_written_as_gate_equals_silu():
     out = silu.head((y * torch.sigmoid(y).detach()).flatten(1))
     (cw,) = torch.autograd.grad(out[:, 0].sum(), xg)
     torch.testing.assert_close(e1.weight, cw, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(e2.contribution.sum((1, 2)), silu(x)[:, 0].detach(), rtol=1e-10, atol=1e-12)
+    assert_sums_to_logit(e2, silu, x, 0, rtol=1e-10)

@@ -21,19 +21,9 @@ from omenn_kernels import UnsupportedOpError, explain
 from omenn_kernels.linearize import lookup
 from omenn_kernels.linearize.rules.conv import convolved, receptive_ones
 from omenn_kernels.linearize.values import Live
+from rule_checks import ATOL, DT, RTOL, Headed, assert_complete, assert_sums_to_logit, gradient, randomize
 
 aten = torch.ops.aten
-DT = torch.float64
-RTOL = 1e-11
-ATOL = 1e-13
-
-
-def _randomize(model: nn.Module, seed: int) -> nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
-    return model
 
 
 def _padding_pairs(padding, kernel, dilation):
@@ -80,16 +70,9 @@ def _valid_count_loop(out_size, in_size, kernel, stride, padding, dilation):
     return counts
 
 
-class _ConvHead(nn.Module):
-    """Conv2d → Flatten → Linear without bias: the conv's bias is the only bias."""
-
-    def __init__(self, conv: nn.Conv2d, out_features: int, classes: int = 3):
-        super().__init__()
-        self.conv = conv
-        self.head = nn.Linear(out_features, classes, bias=False)
-
-    def forward(self, x):
-        return self.head(self.conv(x).flatten(1))
+def _conv_head(conv: nn.Conv2d, out_features: int) -> Headed:
+    """Conv2d → Flatten → Linear(out_features, 3) without bias: the conv's bias is the only bias."""
+    return Headed("conv", conv, out_features, 3)
 
 
 CONVS = {
@@ -123,7 +106,7 @@ def _conv_from(spec):
 def test_bias_spread_over_valid_receptive_field(name):
     conv, (kernel, stride, padding, dilation), (cin, h, w) = _conv_from(CONVS[name])
     out_shape = conv(torch.zeros(1, cin, h, w)).shape[1:]
-    model = _randomize(_ConvHead(conv, out_shape.numel()), seed=len(name)).double()
+    model = randomize(_conv_head(conv, out_shape.numel()), seed=len(name), scale=0.5).double()
     torch.manual_seed(1)
     x = torch.randn(2, cin, h, w, dtype=DT)
     target = 2
@@ -133,10 +116,8 @@ def test_bias_spread_over_valid_receptive_field(name):
     for b in range(2):
         torch.testing.assert_close(e.bias[b], expected, rtol=RTOL, atol=ATOL)
     # The conv is linear: C_w is its gradient (autograd on the model itself), and C is complete.
-    xg = x.clone().requires_grad_(True)
-    (grad,) = torch.autograd.grad(model(xg)[:, target].sum(), xg)
-    torch.testing.assert_close(e.weight, grad, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(e.contribution.sum((1, 2)), model(x)[:, target].detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(e.weight, gradient(model, x, target), rtol=RTOL, atol=ATOL)
+    assert_sums_to_logit(e, model, x, target, rtol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["pad1", "stride2_dilation2_pad1_kernel4x3", "groups2",
@@ -229,25 +210,23 @@ class _Conv3dModel(nn.Module):
 @pytest.mark.parametrize("cls", [_Conv1dModel, _Conv3dModel])
 def test_conv1d_conv3d_complete(cls):
     torch.manual_seed(2)
-    model = _randomize(cls(), seed=9).double()
+    model = randomize(cls(), seed=9, scale=0.5).double()
     x = torch.randn(2, 3, 5, 6, dtype=DT)
     e = explain(model, x, 1)
-    logits = model(x).detach()
-    torch.testing.assert_close(e.logit, logits[:, 1], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(e.contribution.sum((1, 2)), logits[:, 1], rtol=1e-10, atol=1e-12)
+    assert_complete(e, model, x, 1, rtol=1e-10)
     assert e.bias.abs().max() > 1e-3  # the biases are really there
 
 
 def test_bias_only_reached_by_padding_is_refused():
     """A bias at an output position that only zero padding reaches cannot be attributed."""
-    model = _ConvHead(nn.Conv2d(2, 2, 1, padding=1), 2 * 6 * 6).double()
+    model = _conv_head(nn.Conv2d(2, 2, 1, padding=1), 2 * 6 * 6).double()
     x = torch.randn(1, 2, 4, 4, dtype=DT)
     with pytest.raises(UnsupportedOpError) as info:
         explain(model, x, 0)
     assert info.value.op == "aten.conv2d.default"
     assert info.value.module_path == "conv"
     # Without a bias the same padding is fine.
-    model = _randomize(_ConvHead(nn.Conv2d(2, 2, 1, padding=1, bias=False), 2 * 6 * 6), 3).double()
+    model = randomize(_conv_head(nn.Conv2d(2, 2, 1, padding=1, bias=False), 2 * 6 * 6), 3, scale=0.5).double()
     e = explain(model, x, 0)
-    torch.testing.assert_close(e.contribution.sum((1, 2)), model(x)[:, 0].detach(), rtol=1e-12, atol=1e-12)
+    assert_sums_to_logit(e, model, x, 0, rtol=1e-12)
     torch.testing.assert_close(e.bias, torch.zeros_like(e.bias), rtol=0, atol=0)

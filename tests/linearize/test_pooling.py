@@ -24,24 +24,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from omenn_kernels import explain
-
-DT = torch.float64
-RTOL = 1e-11
-ATOL = 1e-13
-
-
-def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT) * scale
+from rule_checks import ATOL, DT, RTOL, assert_complete, gradient, rand
 
 
 class _PoolThenConstant(nn.Module):
     def __init__(self, pool, out_shape, classes=3, seed=0):
         super().__init__()
         self.pool = pool
-        self.c = nn.Parameter(_rand(*out_shape, seed=seed))
+        self.c = nn.Parameter(rand(*out_shape, seed=seed))
         self.head = nn.Linear(math.prod(out_shape), classes, bias=False)
         with torch.no_grad():
-            self.head.weight.copy_(_rand(classes, math.prod(out_shape), seed=seed + 1))
+            self.head.weight.copy_(rand(classes, math.prod(out_shape), seed=seed + 1))
 
     def forward(self, x):
         return self.head((self.pool(x) + self.c).flatten(1))
@@ -52,18 +45,10 @@ def _build(pool, x_shape, seed):
     return _PoolThenConstant(pool, tuple(out_shape), seed=seed).double()
 
 
-def _gradient(model, x, target):
-    xg = x.clone().requires_grad_(True)
-    (grad,) = torch.autograd.grad(model(xg)[:, target].sum(), xg)
-    return grad
-
-
 def _check_common(model, x, target):
     e = explain(model, x, target)
-    logits = model(x).detach()
-    torch.testing.assert_close(e.logit, logits[:, target], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(e.contribution.sum((1, 2)), logits[:, target], rtol=1e-11, atol=1e-12)
-    torch.testing.assert_close(e.weight, _gradient(model, x, target), rtol=RTOL, atol=ATOL)
+    assert_complete(e, model, x, target)
+    torch.testing.assert_close(e.weight, gradient(model, x, target), rtol=RTOL, atol=ATOL)
     return e
 
 
@@ -95,7 +80,7 @@ def test_avg_pool_with_padding(count_include_pad, ceil_mode):
     in_hw = (6, 7)
     pool = nn.AvgPool2d(3, stride=2, padding=1, count_include_pad=count_include_pad, ceil_mode=ceil_mode)
     model = _build(pool, (2, 2, *in_hw), seed=1)
-    x = _rand(2, 2, *in_hw, seed=2)
+    x = rand(2, 2, *in_hw, seed=2)
     e = _check_common(model, x, 2)
     expected = _shares_by_windows(model, 2, in_hw, lambda p: _pool_window(p, in_hw, 3, 2, 1))
     torch.testing.assert_close(e.bias, expected.expand(2, *in_hw), rtol=RTOL, atol=ATOL)
@@ -113,7 +98,7 @@ def _adaptive_window(p, in_hw, out_hw):
 def test_adaptive_avg_pool_non_divisible():
     in_hw, out_hw = (7, 5), (3, 2)
     model = _build(nn.AdaptiveAvgPool2d(out_hw), (2, 3, *in_hw), seed=3)
-    x = _rand(2, 3, *in_hw, seed=4)
+    x = rand(2, 3, *in_hw, seed=4)
     e = _check_common(model, x, 0)
     expected = _shares_by_windows(model, 0, in_hw, lambda p: _adaptive_window(p, in_hw, out_hw))
     torch.testing.assert_close(e.bias, expected.expand(2, *in_hw), rtol=RTOL, atol=ATOL)
@@ -131,8 +116,8 @@ class _MeanHead(nn.Module):
         self.reduce = reduce
         self.head = nn.Linear(features, 3)
         with torch.no_grad():
-            self.head.weight.copy_(_rand(3, features, seed=seed))
-            self.head.bias.copy_(_rand(3, seed=seed + 1))
+            self.head.weight.copy_(rand(3, features, seed=seed))
+            self.head.bias.copy_(rand(3, seed=seed + 1))
 
     def forward(self, x):
         return self.head(self.reduce(x).flatten(1))
@@ -143,7 +128,7 @@ def test_global_reduction_spreads_the_bias_evenly(reduce):
     fn = {"mean_hw": lambda x: x.mean((2, 3)), "sum_hw": lambda x: x.sum((2, 3)),
           "adaptive_1": nn.AdaptiveAvgPool2d(1)}[reduce]
     model = _MeanHead(fn, 3, seed=5).double()
-    x = _rand(2, 3, 4, 5, seed=6)
+    x = rand(2, 3, 4, 5, seed=6)
     e = _check_common(model, x, 1)
     torch.testing.assert_close(e.bias, torch.full((2, 4, 5), model.head.bias[1].item() / 20, dtype=DT),
                                rtol=RTOL, atol=ATOL)
@@ -151,7 +136,7 @@ def test_global_reduction_spreads_the_bias_evenly(reduce):
 
 def test_mean_over_channels_keeps_pixel_identity():
     model = _build(lambda x: x.mean(1, keepdim=True), (2, 4, 3, 3), seed=7)
-    x = _rand(2, 4, 3, 3, seed=8)
+    x = rand(2, 4, 3, 3, seed=8)
     e = _check_common(model, x, 0)
     g = model.head.weight[0].detach().view(1, 3, 3)
     torch.testing.assert_close(e.bias, (model.c.detach() * g)[0].expand(2, 3, 3), rtol=RTOL, atol=ATOL)
@@ -161,7 +146,7 @@ def test_mean_over_channels_keeps_pixel_identity():
 def test_max_pool_ones_at_argmax(kernel, stride, padding):
     in_hw = (5, 6)
     model = _build(nn.MaxPool2d(kernel, stride, padding), (2, 2, *in_hw), seed=9)
-    x = _rand(2, 2, *in_hw, seed=10)
+    x = rand(2, 2, *in_hw, seed=10)
     e = _check_common(model, x, 1)
     g = model.head.weight[1].detach().view(model.c.shape)
     c = model.c.detach()
@@ -194,8 +179,8 @@ def test_relu_maxpool_conv_linear_weight_is_gradient():
     model = _ConvReluPool().double()
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(_rand(*p.shape, seed=p.numel(), scale=0.2))
-    x = _rand(2, 3, 6, 6, seed=12)
+            p.add_(rand(*p.shape, seed=p.numel(), scale=0.2))
+    x = rand(2, 3, 6, 6, seed=12)
     _check_common(model, x, 2)
 
 
@@ -203,7 +188,7 @@ class _UpThenConstant(nn.Module):
     def __init__(self, mode, size=None, scale=None, align_corners=None):
         super().__init__()
         self.kwargs = dict(mode=mode, size=size, scale_factor=scale, align_corners=align_corners)
-        self.c = nn.Parameter(_rand(2, 1, 1, seed=13))  # one constant per channel
+        self.c = nn.Parameter(rand(2, 1, 1, seed=13))  # one constant per channel
         self.head = None
 
     def forward(self, x):
@@ -223,12 +208,12 @@ UPSAMPLES = {
 @pytest.mark.parametrize("name", list(UPSAMPLES))
 def test_upsampling_complete_and_constant_shares(name):
     model = _UpThenConstant(**UPSAMPLES[name]).double()
-    x = _rand(2, 2, 3, 4, seed=14)
+    x = rand(2, 2, 3, 4, seed=14)
     n = F.interpolate(x, **model.kwargs).numel() // 2
     model.head = nn.Linear(n, 3, bias=False).double()
     with torch.no_grad():
-        model.head.weight.copy_(_rand(3, n, seed=15))
+        model.head.weight.copy_(rand(3, n, seed=15))
     e = _check_common(model, x, 0)
-    grad = _gradient(model, x, 0)
+    grad = gradient(model, x, 0)
     expected = (model.c.detach().view(1, 2, 1, 1) * grad).sum(1)
     torch.testing.assert_close(e.bias, expected, rtol=RTOL, atol=ATOL)

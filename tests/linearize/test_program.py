@@ -17,8 +17,7 @@ from omenn_kernels import UnsupportedOpError, explain
 from omenn_kernels.capture import capture
 from omenn_kernels.linearize import Kind, linearize
 from omenn_kernels.linearize.registry import op_name
-
-DT = torch.float64
+from rule_checks import DT, SqueezeExcite, assert_sums_to_logit
 
 
 def _kinds(model: nn.Module, x: torch.Tensor) -> list[tuple[str, str, Kind]]:
@@ -104,23 +103,14 @@ def test_attention_query_and_key_projections_are_gates(sdpa):
     # The positional embedding's scaling does not depend on the input.
     assert _only(kinds, "", "aten.mul.Tensor") is Kind.CONST
     e = explain(model, x, 1)
-    torch.testing.assert_close(e.contribution.sum((1, 2)), model(x)[:, 1].detach(), rtol=1e-10, atol=1e-12)
-
-
-class SqueezeExcite(nn.Module):
-    def __init__(self, c: int):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Conv2d(c, 2, 1), nn.Conv2d(2, c, 1)
-
-    def forward(self, x):
-        return x * torch.sigmoid(self.fc2(F.relu(self.fc1(x.mean((2, 3), keepdim=True)))))
+    assert_sums_to_logit(e, model, x, 1, rtol=1e-10)
 
 
 class SENet(nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.se = SqueezeExcite(4)
+        self.se = SqueezeExcite(4, 2, "sigmoid")
         self.act = nn.Sigmoid()
         self.head = nn.Linear(4, 3)
 
@@ -142,7 +132,7 @@ def test_squeeze_excitation_branch_is_gate_and_sigmoid_activation_is_live():
     assert _only(kinds, "act", "aten.sigmoid.default") is Kind.LIVE
     assert _only(kinds, "conv", "aten.conv2d.default") is Kind.LIVE
     e = explain(model, x, 0)
-    torch.testing.assert_close(e.contribution.sum((1, 2)), model(x)[:, 0].detach(), rtol=1e-10, atol=1e-12)
+    assert_sums_to_logit(e, model, x, 0, rtol=1e-10)
 
 
 class _Inner(nn.Module):
@@ -221,7 +211,7 @@ def test_sigmoid_scaled_by_a_constant_is_an_activation():
     model = _ScaledSigmoid().double()
     x = torch.randn(2, 2, 3, 3, dtype=DT)
     e = explain(model, x, 1)
-    torch.testing.assert_close(e.contribution.sum((1, 2)), model(x)[:, 1].detach(), rtol=1e-10, atol=1e-12)
+    assert_sums_to_logit(e, model, x, 1, rtol=1e-10)
     # 2σ(y) − 1 = tanh(y/2): the same explanation as nn.Tanh on y/2 (ξ and f(0) = 0 agree).
     xg = x.clone().requires_grad_(True)
     y = model.conv(xg)

@@ -24,34 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from omenn_kernels import UnsupportedOpError, explain
-
-DT = torch.float64
-RTOL = 1e-11
-ATOL = 1e-13
-
-
-def _rand(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT) * scale
-
-
-def _randomize(model: nn.Module, seed: int, scale: float = 0.8) -> nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
-    return model
-
-
-def _gradient(model, x, target):
-    xg = x.clone().requires_grad_(True)
-    (grad,) = torch.autograd.grad(model(xg)[:, target].sum(), xg)
-    return grad
-
-
-def _complete(e, model, x, target):
-    logits = model(x).detach()
-    torch.testing.assert_close(e.logit, logits[:, target], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(e.contribution.sum((1, 2)), logits[:, target], rtol=1e-11, atol=1e-12)
+from rule_checks import ATOL, DT, RTOL, assert_complete, gradient, rand, randomize
 
 
 # ----------------------------------------------------------------------------- R12 tokens
@@ -97,14 +70,14 @@ def _hand_vit(model: _TokenViT, x, consts, target):
 
 
 def test_class_register_distillation_tokens_spread_per_sample():
-    model = _randomize(_TokenViT(), seed=1, scale=1.0).double()
+    model = randomize(_TokenViT(), seed=1, scale=1.0).double()
     with torch.no_grad():  # a softer attention, so that the constant tokens get weight
         model.q.weight.mul_(0.3)
         model.k.weight.mul_(0.3)
-    x = torch.stack([_rand(3, 2, 3, seed=2), _rand(3, 2, 3, seed=3) * 2 + 1])
+    x = torch.stack([rand(3, 2, 3, seed=2), rand(3, 2, 3, seed=3) * 2 + 1])
     target = 1
     e = explain(model, x, target)
-    _complete(e, model, x, target)
+    assert_complete(e, model, x, target)
     consts = [model.cls.detach().clone().requires_grad_(True), model.dist.detach().clone().requires_grad_(True),
               model.reg.detach().clone().requires_grad_(True)]
     xg = x.clone().requires_grad_(True)
@@ -126,7 +99,7 @@ class _CoordChannel(nn.Module):
 
     def __init__(self, c, h, w):
         super().__init__()
-        self.coord = nn.Parameter(_rand(1, 1, h, w, seed=4))
+        self.coord = nn.Parameter(rand(1, 1, h, w, seed=4))
         self.head = nn.Linear((c + 1) * h * w, 2, bias=False)
 
     def forward(self, x):
@@ -135,10 +108,10 @@ class _CoordChannel(nn.Module):
 
 def test_constant_channel_joined_along_channels():
     c, h, w = 2, 3, 3
-    model = _randomize(_CoordChannel(c, h, w), seed=5).double()
-    x = _rand(2, c, h, w, seed=6)
+    model = randomize(_CoordChannel(c, h, w), seed=5).double()
+    x = rand(2, c, h, w, seed=6)
     e = explain(model, x, 0)
-    _complete(e, model, x, 0)
+    assert_complete(e, model, x, 0)
     g = model.head.weight[0].detach().view(c + 1, h, w)
     total = (g[c] * model.coord.detach()[0, 0]).sum()
     torch.testing.assert_close(e.bias, torch.full((2, h, w), total.item() / (h * w), dtype=DT),
@@ -149,7 +122,7 @@ def test_constant_channel_joined_along_channels():
 class _PadThenCoord(nn.Module):
     def __init__(self):
         super().__init__()
-        self.coord = nn.Parameter(_rand(1, 1, 5, 5, seed=7))
+        self.coord = nn.Parameter(rand(1, 1, 5, 5, seed=7))
         self.head = nn.Linear(2 * 5 * 5, 2, bias=False)
 
     def forward(self, x):
@@ -158,13 +131,13 @@ class _PadThenCoord(nn.Module):
 
 
 def test_constant_joined_to_zero_padded_tensor_keeps_its_value():
-    model = _randomize(_PadThenCoord(), seed=8).double()
-    x = _rand(2, 1, 3, 3, seed=9)
+    model = randomize(_PadThenCoord(), seed=8).double()
+    x = rand(2, 1, 3, 3, seed=9)
     try:
         e = explain(model, x, 1)
     except UnsupportedOpError:
         return  # a clear refusal (as for a conv bias only padding reaches) is acceptable
-    _complete(e, model, x, 1)
+    assert_complete(e, model, x, 1)
 
 
 # ----------------------------------------------------------------------------- padding
@@ -213,12 +186,12 @@ class _PadConv(nn.Module):
 ])
 def test_padding_routes_conv_bias(mode, pad, stride):
     c, h, w, k = 2, 5, 6, 3
-    model = _randomize(_PadConv(pad, mode, c, h, w, k, stride), seed=10).double()
-    x = _rand(2, c, h, w, seed=11)
+    model = randomize(_PadConv(pad, mode, c, h, w, k, stride), seed=10).double()
+    x = rand(2, c, h, w, seed=11)
     target = 2
     e = explain(model, x, target)
-    _complete(e, model, x, target)
-    torch.testing.assert_close(e.weight, _gradient(model, x, target), rtol=RTOL, atol=ATOL)
+    assert_complete(e, model, x, target)
+    torch.testing.assert_close(e.weight, gradient(model, x, target), rtol=RTOL, atol=ATOL)
     g = model.head.weight[target].detach().view(model.out)
     bias = model.conv.bias.detach()
     expected = torch.zeros(h, w, dtype=DT)
@@ -244,7 +217,7 @@ def test_non_zero_constant_padding_is_refused():
             return self.head(F.pad(x, (1, 1, 1, 1), value=0.5).flatten(1))
 
     with pytest.raises(UnsupportedOpError) as info:
-        explain(Padded().double(), _rand(1, 2, 2, 2, seed=12), 0)
+        explain(Padded().double(), rand(1, 2, 2, 2, seed=12), 0)
     assert info.value.op in ("aten.pad.default", "aten.constant_pad_nd.default")
     assert "R11" in info.value.rule_kind
 
@@ -288,10 +261,10 @@ class _Selections(nn.Module):
 
 def test_selection_ops_complete_and_route_constants():
     b, c, h, w = 2, 2, 4, 3
-    model = _randomize(_Selections(b, c, h, w), seed=14).double()
-    x = _rand(b, c, h, w, seed=15)
+    model = randomize(_Selections(b, c, h, w), seed=14).double()
+    x = rand(b, c, h, w, seed=15)
     e = explain(model, x, 0)
-    _complete(e, model, x, 0)
-    grad = _gradient(model, x, 0)
+    assert_complete(e, model, x, 0)
+    grad = gradient(model, x, 0)
     torch.testing.assert_close(e.weight, grad, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(e.bias, model.shift.item() * grad.sum(1), rtol=RTOL, atol=ATOL)

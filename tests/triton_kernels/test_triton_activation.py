@@ -3,7 +3,8 @@
 Oracles, both computed from the very values the kernel sees (inputs rounded to their
 dtype first):
 
-* the multiplier formulas of DESIGN.md §2 (R4), written here in float64:
+* the multiplier formulas of DESIGN.md §2 (R4), in float64 (``xi_reference`` of
+  ``tests/kernel_references.py``, shared with the C++ kernel tests):
   gelu Φ(x) = ½(1 + erf(x/√2)), gelu_tanh ½(1 + tanh(√(2/π)(x + 0.044715x³))),
   silu σ(x), relu 1[x > 0], leaky_relu 1 or slope, hardswish clamp(x + 3, 0, 6)/6;
 * torch's own activations (F.gelu, F.gelu(approximate="tanh"), F.silu, F.relu,
@@ -24,13 +25,14 @@ CUDA the same tests run natively and the ``gpu`` group adds larger tensors.
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_references import torch_activation, xi_reference
+from triton_layouts import DEVICE, gen, nan_offset_view, nan_view
 from triton_kernels.activation import (
     KINDS,
     _BLOCK,
@@ -39,7 +41,6 @@ from triton_kernels.activation import (
     activation_forward,
 )
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
 TOL_TORCH = {torch.float32: (1e-6, 1e-6), torch.float16: (2e-3, 2e-3), torch.bfloat16: (2e-2, 2e-2)}
@@ -52,35 +53,6 @@ LAYOUTS = ["contiguous", "nan_offset", "nan_strided", "transposed", "channels_la
 
 
 # --------------------------------------------------------------------------- oracles
-
-
-def xi_reference(x: torch.Tensor, kind: str, slope: float = 0.0) -> torch.Tensor:
-    """ξ(x) in float64 from the formulas of DESIGN.md §2 (R4)."""
-    x = x.double()
-    if kind == "gelu":
-        return 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
-    if kind == "gelu_tanh":
-        return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
-    if kind == "silu":
-        return 1.0 / (1.0 + torch.exp(-x))
-    if kind == "relu":
-        return (x > 0).double()
-    if kind == "leaky_relu":
-        return torch.where(x > 0, torch.ones_like(x), torch.full_like(x, slope))
-    if kind == "hardswish":
-        return (x + 3.0).clamp(0.0, 6.0) / 6.0
-    raise AssertionError(kind)
-
-
-def torch_activation(x: torch.Tensor, kind: str, slope: float = 0.0) -> torch.Tensor:
-    return {
-        "gelu": lambda: F.gelu(x),
-        "gelu_tanh": lambda: F.gelu(x, approximate="tanh"),
-        "silu": lambda: F.silu(x),
-        "relu": lambda: F.relu(x),
-        "leaky_relu": lambda: F.leaky_relu(x, slope),
-        "hardswish": lambda: F.hardswish(x),
-    }[kind]()
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, rtol: float, atol: float) -> None:
@@ -103,13 +75,9 @@ def _seed(*key) -> int:
     return zlib.crc32(repr(key).encode()) % 10_000
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed(seed)
-
-
 def sample(shape, seed: int, scale: float = 3.0) -> torch.Tensor:
     """float64 values: normal·scale, with exact zeros, ±tiny, ±large and ±3 (hardswish kinks)."""
-    x = torch.randn(shape, generator=_gen(seed), dtype=torch.float64) * scale
+    x = torch.randn(shape, generator=gen(seed), dtype=torch.float64) * scale
     flat = x.view(-1)
     specials = torch.tensor([0.0, -0.0, 1e-3, -1e-3, 3.0, -3.0, 8.0, -8.0, 11.5, -11.5, -0.75], dtype=torch.float64)
     k = min(flat.numel(), specials.numel())
@@ -124,16 +92,9 @@ def place(values: torch.Tensor, layout: str, dtype, device=DEVICE) -> torch.Tens
     if layout == "contiguous":
         return values.to(device).contiguous()
     if layout == "nan_offset":  # contiguous, NaN on both sides
-        n = values.numel()
-        buf = torch.full((n + 2 * _BLOCK + 5,), float("nan"), dtype=dtype, device=device)
-        view = buf[_BLOCK + 3 : _BLOCK + 3 + n].view(shape)
-        view.copy_(values)
-        return view
+        return nan_offset_view(values, _BLOCK + 3, _BLOCK + 2, device)
     if layout == "nan_strided":  # gaps on every dim
-        buf = torch.full(tuple(s + 2 for s in shape[:-1]) + (2 * shape[-1] + 3,), float("nan"),
-                         dtype=dtype, device=device)
-        view = buf[tuple(slice(1, 1 + s) for s in shape[:-1]) + (slice(1, 1 + 2 * shape[-1], 2),)]
-        view.copy_(values)
+        view = nan_view(values, device)
         assert not view.is_contiguous()
         return view
     if layout == "transposed":  # dense, not contiguous
@@ -254,7 +215,7 @@ def test_backward_mixed_layouts_and_dtypes(x_layout, g_layout, g_dtype):
 def test_stores_stay_in_bounds():
     """The kernel writes exactly ``n`` elements: sentinels on both sides are untouched."""
     n = 2 * _BLOCK + 37
-    x = torch.randn(n, generator=_gen(3)).to(DEVICE)
+    x = torch.randn(n, generator=gen(3)).to(DEVICE)
     buf = torch.full((n + 2 * _BLOCK,), float("nan"), device=DEVICE)
     y = buf[_BLOCK : _BLOCK + n]
     _activation_fwd_kernel[(3,)](x, y, n, 0.0, KIND=KINDS["silu"], BLOCK=_BLOCK)

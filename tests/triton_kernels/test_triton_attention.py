@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from triton_layouts import DEVICE, gen
 from triton_kernels.attention import attention_backward_dv, attention_forward
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 NEG_INF = float("-inf")
 
@@ -34,15 +34,11 @@ NEG_INF = float("-inf")
 # --------------------------------------------------------------------------- helpers
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed(seed)
-
-
 def _nan_view(B, H, T, D, dtype, seed, scale=1.0, device=DEVICE):
     """A (B, H, T, D) view, (B, T, H, D)-major with padding on every dim, in a NaN buffer."""
     buf = torch.full((B + 1, T + 3, H + 1, D + 7), float("nan"), dtype=dtype, device=device)
     view = buf[1:, 2 : T + 2, 1:, 3 : D + 3].permute(0, 2, 1, 3)
-    view.copy_((torch.randn(B, H, T, D, generator=_gen(seed)) * scale).to(dtype))
+    view.copy_((torch.randn(B, H, T, D, generator=gen(seed)) * scale).to(dtype))
     assert not view.is_contiguous() or T * H * D <= 1
     return view
 
@@ -57,13 +53,13 @@ def _nan_bias(shape, values: torch.Tensor, device=DEVICE):
 
 
 def _relpos_bias(H, Tq, Tk, seed):
-    return _nan_bias((1, H, Tq, Tk), torch.randn(1, H, Tq, Tk, generator=_gen(seed)))
+    return _nan_bias((1, H, Tq, Tk), torch.randn(1, H, Tq, Tk, generator=gen(seed)))
 
 
 def _mask_bias(B, Tq, Tk, seed, fully_masked_row: bool = True):
     """(B, 1, Tq, Tk) additive mask with -inf entries (a Swin-like window mask) plus noise."""
-    vals = torch.randn(B, 1, Tq, Tk, generator=_gen(seed)) * 0.5
-    drop = torch.rand(B, 1, Tq, Tk, generator=_gen(seed + 1)) < 0.3
+    vals = torch.randn(B, 1, Tq, Tk, generator=gen(seed)) * 0.5
+    drop = torch.rand(B, 1, Tq, Tk, generator=gen(seed + 1)) < 0.3
     drop[..., :, 0] = False  # keep at least one key per row ...
     vals = vals.masked_fill(drop, NEG_INF)
     if fully_masked_row and Tq > 1:
@@ -201,7 +197,7 @@ def test_qkv_slices_of_permuted_projection():
     B, T, H, D = 2, 17, 2, 16
     buf = torch.full((B, T + 2, 3 * H * D + 8), float("nan"), device=DEVICE)
     qkv = buf[:, 1 : T + 1, 4 : 4 + 3 * H * D]
-    qkv.copy_(torch.randn(B, T, 3 * H * D, generator=_gen(7)))
+    qkv.copy_(torch.randn(B, T, 3 * H * D, generator=gen(7)))
     q, k, v = qkv.reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
     assert not q.is_contiguous()
     bias = _relpos_bias(H, T, T, 8)
@@ -222,7 +218,7 @@ def test_forward_matches_sdpa(bias_kind):
     elif bias_kind == "window":  # (B, 1, T, T) with -inf, no fully masked row (SDPA gives NaN there)
         bias = _mask_bias(B, T, T, 15, fully_masked_row=False)
     else:
-        keep = torch.rand(B, 1, T, T, generator=_gen(16)) > 0.3
+        keep = torch.rand(B, 1, T, T, generator=gen(16)) > 0.3
         keep[..., 0] = True
         bias = keep.to(DEVICE)
     out, lse = attention_forward(q, k, v, bias=bias, block_m=16, block_n=16)

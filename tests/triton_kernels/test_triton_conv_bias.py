@@ -7,7 +7,8 @@ the kernels see (grad, bias, grad_ones_out rounded to their dtype first):
 
 * ``torch.autograd`` of ``Σ bias[c]·Ō·grad + Σ Ō·grad_ones_out`` with respect to ``O``,
   where ``Ō = where(S ≠ 0, S/stopgrad(S), 0)`` (the plain ``S/S.detach()`` would give
-  0/0 = NaN and an infinite gradient where S = 0; the rule book defines Ō = 0 there);
+  0/0 = NaN and an infinite gradient where S = 0; the rule book defines Ō = 0 there),
+  by ``ones_bar_backward`` of ``tests/kernel_references.py`` (shared with the C++ tests);
 * an explicit Python loop over samples, output positions, channels and taps that
   scatters ``r`` (independent of the kernels' gather) on tiny cases;
 * for the two stages alone: the formula for ``r`` written with torch ops, and the
@@ -33,9 +34,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernel_references import bias_share_reference, conv_bias_grads, ones_bar_backward
+from triton_layouts import DEVICE, gen, nan_offset_view, nan_view
 from triton_kernels.conv_bias import bias_share, conv_bias_ones_backward, spread_bias_share
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RTOL_BOUND = 1e-5
 
@@ -71,18 +73,7 @@ def ones_channel(B, H, W, pattern: str, seed: int, device=DEVICE) -> torch.Tenso
 
 def autograd_reference(grad, bias, gof, O, k, s, p, d) -> torch.Tensor:
     """dL/dO (B, 1, H, W) float64 via autograd; inputs are taken as float64 as they are."""
-    O = O.double().detach().requires_grad_()
-    S = S_fn(O, k, s, p, d)
-    Sd = S.detach()
-    nz = Sd != 0
-    ones_bar = torch.where(nz, S / torch.where(nz, Sd, torch.ones_like(Sd)), torch.zeros_like(S))
-    loss = torch.zeros((), dtype=torch.float64, device=O.device)
-    if bias is not None:
-        loss = loss + (bias.double().view(1, -1, 1, 1) * ones_bar).mul(grad.double()).sum()
-    if gof is not None:
-        loss = loss + (ones_bar * gof.double()).sum()
-    (dO,) = torch.autograd.grad(loss, O)
-    return dO
+    return ones_bar_backward(O, lambda ones: S_fn(ones, k, s, p, d), grad, bias, gof)
 
 
 def loop_reference(grad, bias, gof, O, k, s, p, d) -> torch.Tensor:
@@ -128,32 +119,13 @@ def _abs(t):
 # --------------------------------------------------------------------------- inputs
 
 
-def _gen(seed: int) -> torch.Generator:
-    return torch.Generator(device="cpu").manual_seed(seed)
-
-
-def nan_view(values: torch.Tensor, device=DEVICE) -> torch.Tensor:
-    """A view holding ``values`` with NaN gaps on every dim (last dim stride 2)."""
-    shape = tuple(values.shape)
-    buf = torch.full(tuple(n + 2 for n in shape[:-1]) + (2 * shape[-1] + 3,), float("nan"),
-                     dtype=values.dtype, device=device)
-    view = buf[tuple(slice(1, 1 + n) for n in shape[:-1]) + (slice(1, 1 + 2 * shape[-1], 2),)]
-    view.copy_(values)
-    assert not view.is_contiguous() or values.numel() <= 1
-    return view
-
-
 def place(values: torch.Tensor, layout: str, device=DEVICE) -> torch.Tensor:
     if layout == "nan_strided":
         return nan_view(values, device)
     if layout == "contiguous":
         return values.to(device).contiguous()
     if layout == "nan_offset":  # contiguous, NaN on both sides
-        n = values.numel()
-        buf = torch.full((n + 2 * 4096 + 7,), float("nan"), dtype=values.dtype, device=device)
-        view = buf[4099 : 4099 + n].view(values.shape)
-        view.copy_(values)
-        return view
+        return nan_offset_view(values, 4099, 4100, device)
     if layout == "channels_last":
         if values.dim() != 4:
             return values.to(device).contiguous()
@@ -166,10 +138,7 @@ def make_inputs(B, C, H, W, k, s, p, d, pattern, dtype, with_gof, seed, layout="
     O = ones_channel(B, H, W, pattern, seed, device)
     S = S_fn(O, k, s, p, d).float()
     Ho, Wo = S.shape[-2:]
-    g = _gen(seed)
-    grad = torch.randn(B, C, Ho, Wo, generator=g).to(dtype)
-    bias = torch.randn(C, generator=g).to(dtype)
-    gof = torch.randn(B, 1, Ho, Wo, generator=g).to(dtype) if with_gof else None
+    grad, bias, gof = conv_bias_grads(B, C, Ho, Wo, dtype, with_gof, seed)
     grad = place(grad, layout, device)
     bias = place(bias, "nan_strided" if layout == "nan_strided" else "contiguous", device)
     gof = place(gof, layout, device) if with_gof else None
@@ -249,10 +218,10 @@ def test_zero_S_gives_zero_share():
     B, C, H, W = 2, 5, 9, 8
     O = ones_channel(B, H, W, "border", 0)
     S = S_fn(O, 1, 1, 0, 1).float()
-    grad = torch.randn(B, C, H, W, generator=_gen(1), device="cpu").to(DEVICE)
+    grad = torch.randn(B, C, H, W, generator=gen(1), device="cpu").to(DEVICE)
     grad = torch.where(S == 0, torch.full_like(grad, 1e30), grad)
-    gof = torch.where(S == 0, torch.full_like(S, -1e30), torch.randn(S.shape, generator=_gen(2)).to(DEVICE))
-    bias = torch.randn(C, generator=_gen(3)).to(DEVICE)
+    gof = torch.where(S == 0, torch.full_like(S, -1e30), torch.randn(S.shape, generator=gen(2)).to(DEVICE))
+    bias = torch.randn(C, generator=gen(3)).to(DEVICE)
     r = bias_share(nan_view(grad), nan_view(bias), nan_view(gof), nan_view(S))
     assert (r[S[:, 0] == 0] == 0).all() and (S == 0).any()
     out = spread_bias_share(r, (H, W), 1)
@@ -266,19 +235,13 @@ def test_zero_S_gives_zero_share():
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("B,C,Ho,Wo", [(1, 1, 1, 1), (3, 37, 7, 13), (1, 197, 15, 7), (3, 3, 13, 15)])
 def test_bias_share_formula(B, C, Ho, Wo, with_bias, dtype):
-    g = _gen(B * 1000 + C)
+    g = gen(B * 1000 + C)
     grad = torch.randn(B, C, Ho, Wo, generator=g).to(dtype)
     bias = torch.randn(C, generator=g).to(dtype) if with_bias else None
     gof = torch.randn(B, 1, Ho, Wo, generator=g).to(dtype)
     S = torch.randint(0, 4, (B, 1, Ho, Wo), generator=g).float()
-    num = gof.double()[:, 0]
-    bnd = gof.double().abs()[:, 0]
-    if with_bias:
-        num = num + (grad.double() * bias.double().view(1, -1, 1, 1)).sum(1)
-        bnd = bnd + (grad.double() * bias.double().view(1, -1, 1, 1)).abs().sum(1)
-    Sd = S.double()[:, 0]
-    ref = torch.where(Sd != 0, num / Sd.clamp_min(1), torch.zeros_like(num))
-    bound = torch.where(Sd != 0, bnd / Sd.clamp_min(1), torch.zeros_like(num))
+    ref = bias_share_reference(grad, bias, gof, S)
+    bound = bias_share_reference(grad.abs(), _abs(bias), gof.abs(), S)
     r = bias_share(nan_view(grad), None if bias is None else nan_view(bias), nan_view(gof), nan_view(S))
     assert r.shape == (B, Ho, Wo)
     check(r, ref, bound)
@@ -302,7 +265,7 @@ def test_spread_is_adjoint_of_S(B, H, W, k, s, p, d):
     """spread(r) = ∂⟨S_fn(O), r⟩/∂O = conv_transpose2d(r, ones) cropped to H×W."""
     O = torch.ones(B, 1, H, W, dtype=torch.float64, device=DEVICE, requires_grad=True)
     Sv = S_fn(O, k, s, p, d)
-    r = torch.randn(Sv.shape, generator=_gen(H * W), dtype=torch.float64).to(DEVICE)
+    r = torch.randn(Sv.shape, generator=gen(H * W), dtype=torch.float64).to(DEVICE)
     (ref,) = torch.autograd.grad(Sv, O, r, retain_graph=True)
     (bound,) = torch.autograd.grad(Sv, O, r.abs())
     out = spread_bias_share(nan_view(r.float()[:, 0]), (H, W), k, s, p, d)
@@ -325,8 +288,8 @@ def test_padding_same_and_valid(k, d):
     O = ones_channel(B, H, W, "holes", 4)
     for padding in ("same", "valid"):
         S = S_fn(O, k, 1, padding, d).float()
-        grad = torch.randn(B, C, *S.shape[-2:], generator=_gen(6)).to(DEVICE)
-        bias = torch.randn(C, generator=_gen(7)).to(DEVICE)
+        grad = torch.randn(B, C, *S.shape[-2:], generator=gen(6)).to(DEVICE)
+        bias = torch.randn(C, generator=gen(7)).to(DEVICE)
         out = conv_bias_ones_backward(nan_view(grad), bias, None, nan_view(S), (H, W), k, 1, padding, d)
         ref = autograd_reference(grad, bias, None, O, k, 1, padding, d)
         check(out, ref, autograd_reference(grad.abs(), bias.abs(), None, O, k, 1, padding, d))
@@ -349,7 +312,7 @@ def test_no_channels_and_no_bias():
     B, H, W = 2, 7, 6
     O = ones_channel(B, H, W, "holes", 8)
     S = S_fn(O, 3, 1, 1, 1).float()
-    gof = torch.randn(S.shape, generator=_gen(9)).to(DEVICE)
+    gof = torch.randn(S.shape, generator=gen(9)).to(DEVICE)
     ref = autograd_reference(torch.zeros(B, 1, H, W), None, gof, O, 3, 1, 1, 1)
     bound = autograd_reference(torch.zeros(B, 1, H, W), None, gof.abs(), O, 3, 1, 1, 1)
     empty = torch.empty(B, 0, H, W, device=DEVICE)

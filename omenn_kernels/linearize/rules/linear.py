@@ -2,6 +2,12 @@
 
 ``y = xW + b·Ō`` with ``Ō`` the mean of the ones over the contracted dimension.
 A product of a gate with LIVE tokens (``A·V`` written out) is attention: R6.
+
+Fused op ``omenn::linear_ones``: the value rounded as the reference rounds it, and a
+backward that multiplies only the output features that receive a gradient. Features
+that only feed gates (the query and key thirds of a fused ``qkv`` projection) get
+none, so ``dX = dY·W`` shrinks to the value third — two of the three products a
+gradient computes there.
 """
 
 from __future__ import annotations
@@ -31,6 +37,63 @@ def _linear(op, *args, **kwargs):
         require_reached(ones)
         value = value + bias * ones
     return Live(value, ones)
+
+
+@torch.library.custom_op("omenn::linear_ones", mutates_args=())
+def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """R1 ``(xWᵀ + b·Ō, Ō)`` with ``Ō`` the mean of ``ones`` over the last dim (1 wherever used)."""
+    ones_bar = ones.mean(-1, keepdim=True)
+    return F.linear(x, weight) + bias * ones_bar, ones_bar
+
+
+@linear_ones.register_fake
+def _linear_ones_fake(x, ones, weight, bias):
+    value = x.new_empty(*x.shape[:-1], weight.shape[0])
+    return value, ones.new_empty(*ones.shape[:-1], 1)
+
+
+def _linear_ones_setup(ctx, inputs, output) -> None:
+    _x, ones, weight, bias = inputs
+    ctx.ones_shape = ones.shape
+    ctx.save_for_backward(weight, bias)
+
+
+@torch.library.custom_op("omenn::linear_input_grad", mutates_args=())
+def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``grad·W`` over the output features that receive a gradient (the others add 0)."""
+    receiving = grad.flatten(0, -2).abs().amax(0) > 0
+    if bool(receiving.all()):
+        return grad.matmul(weight)
+    return grad[..., receiving].matmul(weight[receiving])
+
+
+@linear_input_grad.register_fake
+def _linear_input_grad_fake(grad, weight):
+    return grad.new_empty(*grad.shape[:-1], weight.shape[1])
+
+
+def _linear_ones_grad(ctx, grad, grad_ones_bar):
+    weight, bias = ctx.saved_tensors
+    grad_x = linear_input_grad(grad, weight)
+    grad_bar = grad.matmul(bias).unsqueeze(-1) + grad_ones_bar.sum_to_size(*grad.shape[:-1], 1)
+    grad_ones = (grad_bar / ctx.ones_shape[-1]).expand(*grad_bar.shape[:-1], ctx.ones_shape[-1])
+    return grad_x, grad_ones.sum_to_size(ctx.ones_shape), None, None
+
+
+linear_ones.register_autograd(_linear_ones_grad, setup_context=_linear_ones_setup)
+
+
+def _fused_linear(op, *args, **kwargs):
+    """R1 through ``omenn::linear_ones`` when the linear has a bias."""
+    x, weight, bias = arguments(op, args, kwargs)
+    if bias is None or not isinstance(x, Live) or isinstance(weight, (Live, Gate)) \
+            or isinstance(bias, (Live, Gate)):
+        return _linear(op, *args, **kwargs)
+    require_reached(x.ones.mean(-1, keepdim=True))
+    ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
+    value, ones_bar = linear_ones(x.value, ones, weight, bias)
+    return Live(value, ones_bar)
 
 
 def _right_constant(x: Live, weight: torch.Tensor, product) -> Live:
@@ -75,7 +138,7 @@ def _addmm(op, *args, **kwargs):
     return Live(alpha * product.value + beta * bias * product.ones, product.ones)
 
 
-register([aten.linear], Rule("R1 linear", _linear))
+register([aten.linear], Rule("R1 linear", _linear, _fused_linear))
 register([aten.matmul, aten.mm, aten.bmm],
          Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1)))
 register([aten.addmm], Rule("R1 linear", _addmm))
