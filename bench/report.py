@@ -13,8 +13,12 @@ import sys
 from collections import defaultdict
 
 
-def _variant(name: str) -> str:
-    return name.split("[", 1)[1].rstrip("]").split("-")[-1] if "[" in name else name
+def _variant(name: str, group: str) -> str:
+    """The parameter id of a benchmark without the parts its group already names."""
+    if "[" not in name:
+        return name
+    parts = name.split("[", 1)[1].rstrip("]").split("-")
+    return "-".join(p for p in parts if p not in group) or parts[-1]
 
 
 def table(path: str) -> str:
@@ -23,7 +27,7 @@ def table(path: str) -> str:
     cpu = machine.get("cpu", {}).get("brand_raw", machine.get("device", "?"))
     groups: dict[str, dict[str, float]] = defaultdict(dict)
     for bench in data["benchmarks"]:
-        groups[bench["group"]][_variant(bench["name"])] = bench["stats"]["median"]
+        groups[bench["group"]][_variant(bench["name"], bench["group"])] = bench["stats"]["median"]
     lines = [f"Machine: {cpu}, {machine.get('torch_threads', '?')} threads, torch {machine.get('torch')}, "
              f"triton {machine.get('triton', '?')}, {machine.get('date', '?')} (`{path}`)", ""]
     for group, medians in groups.items():

@@ -68,8 +68,11 @@ def _batch_norm_ones_setup(ctx, inputs, output) -> None:
 def _batch_norm_ones_grad(ctx, grad):
     scale, shift = ctx.saved_tensors
     grad_x = grad * _channel_view(scale, grad)
-    if len(ctx.ones_shape) > 1 and ctx.ones_shape[1] == 1:  # ones shared by the channels
-        grad_ones = torch.einsum("bc...,c->b...", grad, shift).unsqueeze(1)
+    if len(ctx.ones_shape) == 4 and ctx.ones_shape[1] == 1:  # ones shared by the channels
+        # Σ_c dy·b' per pixel in one pass: a 1×1 convolution to a single channel.
+        grad_ones = torch.nn.functional.conv2d(grad, shift.view(1, -1, 1, 1))
+    elif len(ctx.ones_shape) > 1 and ctx.ones_shape[1] == 1:
+        grad_ones = (grad * _channel_view(shift, grad)).sum(1, keepdim=True)
     else:
         grad_ones = grad * _channel_view(shift, grad)
     return grad_x, grad_ones.sum_to_size(ctx.ones_shape), None, None
