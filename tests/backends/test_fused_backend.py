@@ -65,9 +65,9 @@ def test_fused_backend_runs_the_fused_ops(monkeypatch):
     monkeypatch.setattr(conv, "conv2d_ones", counting("conv", conv.conv2d_ones))
     model = randomize_(FAMILIES["cnn"].build()).eval()
     explain(model, torch.randn(2, 3, 32, 32), 0, backend="fused")
-    # cnn: ReLU, SiLU, GELU; the first conv sees per-pixel ones, the second follows a max
-    # pool (per-channel ones: reference form), the depthwise third sees per-pixel ones.
-    assert calls == {"activation": 3, "conv": 2}
+    # cnn: ReLU, SiLU, GELU; three convolutions, the second after a max pool (per-channel
+    # ones, summed over the channels on the way in).
+    assert calls == {"activation": 3, "conv": 3}
 
 
 def _opcheck(op, args):

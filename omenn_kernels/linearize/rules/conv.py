@@ -144,16 +144,18 @@ def _fused_conv(op, *args, **kwargs):
     """R2 through ``omenn::conv2d_ones`` for 2-D convolutions with ones shared per pixel."""
     bound = arguments(op, args, kwargs)
     x = bound[0]
+    _, weight, bias, stride, padding, dilation, groups = bound
     fusable = (op is aten.conv2d.default and isinstance(x, Live) and x.value.dim() == 4
-               and x.ones.dim() == 4 and x.ones.shape[1] == 1 and kernels_available(x.value)
-               and not isinstance(bound[4], str))
+               and x.ones.dim() == 4 and (x.ones.shape[1] == 1 or groups == 1)
+               and kernels_available(x.value) and not isinstance(padding, str)
+               and not isinstance(weight, (Live, Gate)) and not isinstance(bias, (Live, Gate)))
     if not fusable:
         return _conv(op, *args, **kwargs)
-    _, weight, bias, stride, padding, dilation, groups = bound
-    if isinstance(weight, (Live, Gate)) or isinstance(bias, (Live, Gate)):
-        return _conv(op, *args, **kwargs)
     stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
-    ones = x.ones.expand(x.value.shape[0], 1, *x.value.shape[2:])
+    # Per-channel ones (after max pooling) enter summed over the channels: S counts them
+    # all, and each channel's ones get the same 1/S share, as in the reference.
+    ones = x.ones if x.ones.shape[1] == 1 else x.ones.sum(1, keepdim=True)
+    ones = ones.expand(x.value.shape[0], 1, *x.value.shape[2:])
     window = ones.new_ones(1, 1, *weight.shape[2:])
     window_sum = F.conv2d(ones.detach(), window, None, stride, padding, dilation)
     if bias is not None:
