@@ -100,16 +100,6 @@ void with_kind(const char* where, const std::string& kind, Fn&& fn) {
                     "'; expected one of: ", kKinds);
 }
 
-void check_input(const char* where, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.defined(), where, ": ", name, " is an undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), where, ": ", name, " must be a CPU tensor, got device ",
-              t.device());
-  const auto st = t.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
-                   where, ": ", name, " must be float32, float64, float16 or bfloat16, got ",
-                   st);
-}
-
 // Whether float32 loops of Kind use ATen's SIMD vectors (only when built for AVX2 or
 // better: the default-capability Vectorized is a scalar emulation).
 template <class Kind, class scalar_t>
@@ -163,7 +153,7 @@ void backward_loop(const scalar_t* g, const scalar_t* x, scalar_t* out, int64_t 
 
 at::Tensor activation_forward(const at::Tensor& x, const std::string& kind, double slope) {
   constexpr const char* where = "activation_forward";
-  check_input(where, "x", x);
+  check_cpu_floating(where, "x", x);
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty_like(xc, at::MemoryFormat::Contiguous);
   const int64_t n = xc.numel();
@@ -180,8 +170,8 @@ at::Tensor activation_forward(const at::Tensor& x, const std::string& kind, doub
 at::Tensor activation_backward(const at::Tensor& grad, const at::Tensor& x,
                                const std::string& kind, double slope) {
   constexpr const char* where = "activation_backward";
-  check_input(where, "grad", grad);
-  check_input(where, "x", x);
+  check_cpu_floating(where, "grad", grad);
+  check_cpu_floating(where, "x", x);
   TORCH_CHECK(grad.sizes() == x.sizes(), where, ": grad and x must have the same shape, got ",
               grad.sizes(), " and ", x.sizes());
   TORCH_CHECK_TYPE(grad.scalar_type() == x.scalar_type(), where,

@@ -26,16 +26,6 @@ namespace {
 constexpr int64_t kGrain = 32768;  // elementary operations per parallel task, at least
 constexpr int64_t kChunk = 1024;   // output positions per bias_share task
 
-void check_cpu_floating(const char* where, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.defined(), where, ": ", name, " is an undefined tensor");
-  TORCH_CHECK(t.device().is_cpu(), where, ": ", name, " must be a CPU tensor, got device ",
-              t.device());
-  const auto st = t.scalar_type();
-  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
-                   where, ": ", name, " must be float32, float64, float16 or bfloat16, got ",
-                   st);
-}
-
 // A per-position map: (B, 1, Ho, Wo) or (B, Ho, Wo).
 void check_position_map(const char* where, const char* name, const at::Tensor& t, int64_t B,
                         int64_t Ho, int64_t Wo) {

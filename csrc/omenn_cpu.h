@@ -6,11 +6,24 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
 
 #include <optional>
 #include <string>
 
 namespace omenn_cpu {
+
+// Checks that `t` is a defined CPU tensor of a supported floating dtype; `where` and
+// `name` (the function and the argument) go into the error message.
+inline void check_cpu_floating(const char* where, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.defined(), where, ": ", name, " is an undefined tensor");
+  TORCH_CHECK(t.device().is_cpu(), where, ": ", name, " must be a CPU tensor, got device ",
+              t.device());
+  const auto st = t.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kDouble || st == at::kHalf || st == at::kBFloat16,
+                   where, ": ", name, " must be float32, float64, float16 or bfloat16, got ",
+                   st);
+}
 
 // y = x·ξ(x) elementwise, same dtype and shape as x (contiguous).
 at::Tensor activation_forward(const at::Tensor& x, const std::string& kind, double slope);

@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .capture import eval_semantics
+
 
 def randomize_(model: nn.Module, seed: int = 0, scale: float = 0.2) -> nn.Module:
     """Give every bias, norm affine, layer scale, token, positional embedding and BN statistic a random value.
@@ -117,14 +119,8 @@ FULL_SIZE: dict[str, Family] = {
 
 def relative_completeness_error(model: nn.Module, x: torch.Tensor, explanation) -> float:
     """``max_b |Σ C_b − f(x)_b[t]| / |f(x)_b[t]|`` against the model's own eval-mode forward."""
-    training = [(m, m.training) for m in model.modules()]
-    try:
-        model.eval()
-        with torch.no_grad():
-            logits = model(x)
-    finally:
-        for module, flag in training:
-            module.training = flag
+    with eval_semantics(model), torch.no_grad():
+        logits = model(x)
     target = explanation.target
     if target.is_floating_point():
         expected = (logits * target).sum(-1)
