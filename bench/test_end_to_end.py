@@ -3,12 +3,18 @@
     python -m pytest bench/test_end_to_end.py --benchmark-json bench/results/end_to_end_cpu.json
 
 CPU: float32, batch 8; GPU: bfloat16, batch 64; 224×224, randomly initialized timm
-models with frozen parameters. Capture happens once, outside the timed region; each
-timed call explains the predicted class. On a GPU the peak memory of one call is
-recorded in ``extra_info``.
+models with frozen parameters. Capture (and, for ``omenn_reference_compiled``, the
+compilation) happens outside the timed region; each timed call explains the
+predicted class. The peak memory of one call is recorded in ``extra_info``: on a GPU
+the allocator's peak, on the CPU the rise of the process's resident-set high-water
+mark over its resident set at the start of the call (freed heap memory is first
+returned to the system, so the start is not inflated by earlier calls).
 """
 
 from __future__ import annotations
+
+import ctypes
+import gc
 
 import pytest
 import torch
@@ -16,11 +22,13 @@ import torch
 import timm
 
 from omenn_kernels import Explainer
+from omenn_kernels.backends import executor
 from omenn_kernels.testing import randomize_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE, BATCH = (torch.bfloat16, 64) if DEVICE == "cuda" else (torch.float32, 8)
 MODELS = ["vit_base_patch16_224", "resnet50", "convnext_base", "vgg16"]
+METHODS = ["forward", "input_x_gradient", "omenn_reference", "omenn_fused", "omenn_reference_compiled"]
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -46,14 +54,51 @@ def _input_x_gradient(model, x):
     return gradient * inputs
 
 
-@pytest.mark.parametrize("method", ["forward", "input_x_gradient", "omenn_reference", "omenn_fused"])
+def _compiled_reference(model, x):
+    """The reference backend's linearized forward under ``torch.compile``, then one backward."""
+    program, _ = Explainer(model, backend="reference").program(x)
+    linear_forward = torch.compile(
+        lambda inputs, ones: executor.forward(program, model, inputs, ones, lambda rule: rule.reference).value)
+
+    def call():
+        inputs = x.clone().requires_grad_(True)
+        ones = torch.ones_like(x).requires_grad_(True)
+        logits = linear_forward(inputs, ones)
+        selected = logits.gather(1, logits.detach().argmax(1, keepdim=True)).sum()
+        weight, bias = torch.autograd.grad(selected, [inputs, ones])
+        return weight, bias.sum(1)
+
+    return call
+
+
+def _cpu_peak_bytes(run) -> int:
+    """Rise of the resident-set high-water mark during ``run()`` (Linux)."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # resets VmHWM to the current resident set
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as lines:
+            return next(int(line.split()[1]) * 1024 for line in lines if line.startswith(field))
+
+    start = status("VmRSS:")
+    run()
+    return status("VmHWM:") - start
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_end_to_end(benchmark, setup, method):
     name, model, x = setup
     benchmark.group = f"{name} {DEVICE} {str(DTYPE).replace('torch.', '')} batch {BATCH}"
+    warmup_rounds = 1
     if method == "forward":
         call = lambda: _forward(model, x)  # noqa: E731
     elif method == "input_x_gradient":
         call = lambda: _input_x_gradient(model, x)  # noqa: E731
+    elif method == "omenn_reference_compiled":
+        call = _compiled_reference(model, x)
+        warmup_rounds = 3  # compilation and the recompilations of its graph-break frames
     else:
         explainer = Explainer(model, backend=method.removeprefix("omenn_"))
         explainer.program(x)  # capture outside the timed region
@@ -64,8 +109,12 @@ def test_end_to_end(benchmark, setup, method):
         if DEVICE == "cuda":
             torch.cuda.synchronize()
 
+    for _ in range(warmup_rounds):
+        run()
     if DEVICE == "cuda":
         torch.cuda.reset_peak_memory_stats()
         run()
         benchmark.extra_info["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
-    benchmark.pedantic(run, rounds=3, warmup_rounds=1)
+    else:
+        benchmark.extra_info["peak_memory_bytes"] = _cpu_peak_bytes(run)
+    benchmark.pedantic(run, rounds=3, warmup_rounds=0)

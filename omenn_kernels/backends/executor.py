@@ -14,9 +14,9 @@ from ..capture import bound_tensors
 from ..errors import UnsupportedOpError
 from ..linearize.program import Kind, LinearizedProgram
 from ..linearize.registry import Rule, RuleError, op_name, unsupported
+from ..linearize.values import Gate, Live, contains, plain
 
 Implementation = Callable[[Rule], Callable]
-from ..linearize.values import Gate, Live, contains, plain
 
 
 def _as_gate(result):
