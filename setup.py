@@ -12,7 +12,13 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["omenn_kernels", "omenn_kernels.*", "triton_kernels"]),
-    install_requires=["torch>=2.6", "torchvision", "timm>=1.0", "numpy", "matplotlib", "ninja"],
-    extras_require={"test": ["pytest", "pytest-benchmark", "hypothesis", "captum"]},
+    package_data={"omenn_kernels.models": ["checkpoints/*.safetensors", "checkpoints/*.json"]},
+    install_requires=["torch>=2.6", "torchvision", "timm>=1.0", "numpy", "matplotlib", "ninja", "safetensors",
+                      "tqdm"],
+    extras_require={
+        # the explanation-quality benchmark's compared methods and metrics
+        "eval": ["captum", "zennit", "quantus==0.6.0", "scipy"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis", "captum", "zennit", "quantus==0.6.0", "scipy"],
+    },
     entry_points={"console_scripts": ["omenn-demo=omenn_kernels.demo:main"]},
 )
