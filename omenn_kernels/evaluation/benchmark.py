@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..models import checkpoint_config, load_pretrained
+from ..models.train import cpu_model
 from . import funnybirds, methods, quantus_metrics
 from .parts_dataset import PATCH, PartsDataset, collate_parts
 
@@ -117,7 +118,7 @@ def run(models: tuple[str, ...] = MODELS, *, images: int = 250, quantus_images: 
     results: dict = {
         "command": " ".join(["python -m omenn_kernels.evaluation.benchmark", *sys.argv[1:]]),
         "date": datetime.date.today().isoformat(),
-        "machine": {"cpu": _cpu_name(), "threads": torch.get_num_threads(), "python": platform.python_version(),
+        "machine": {"cpu": cpu_model(), "threads": torch.get_num_threads(), "python": platform.python_version(),
                     "torch": torch.__version__, "omenn_kernels": __version__},
         "config": {"split": "test", "seed": seed, "images": images, "quantus_images": quantus_images,
                    "resolution": dataset.resolution, "patch": PATCH,
@@ -132,20 +133,14 @@ def run(models: tuple[str, ...] = MODELS, *, images: int = 250, quantus_images: 
         started = time.perf_counter()
         funny = funnybirds.evaluate(model, dataset, compared, range(images), progress=progress)
         quantus = _quantus_scores(model, dataset, compared, quantus_images, subset_size, nr_runs, progress)
+        config = checkpoint_config(name)
         results["models"][name] = {
-            "checkpoint": {k: checkpoint_config(name).get(k) for k in ("arch", "arch_params", "test_accuracy")},
+            "checkpoint": {"arch": config["arch"], "arch_params": config["arch_params"],
+                           "test_accuracy": config["results"]["test_accuracy"]},
             "seconds": round(time.perf_counter() - started, 1),
             "methods": {m: {**funny[m].to_dict(), **quantus[m]} for m in compared},
         }
     return results
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def _cell(value: float) -> str:

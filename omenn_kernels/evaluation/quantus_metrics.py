@@ -183,12 +183,20 @@ def bird_part_mask(part_maps: ArrayLike) -> np.ndarray:
 
 
 def _localisation(
-    metric: quantus.Metric,
+    metric_class: type[quantus.Metric],
     images: ArrayLike,
     targets: ArrayLike,
     attributions: ArrayLike,
     part_maps: ArrayLike,
+    absolute: bool,
 ) -> np.ndarray:
+    metric = metric_class(
+        abs=absolute,
+        normalise=False,
+        return_aggregate=False,
+        disable_warnings=True,
+        display_progressbar=False,
+    )
     x, y, a = _checked_batch(images, targets, attributions)
     mask = bird_part_mask(part_maps)
     if mask.shape[0] != x.shape[0] or mask.shape[2:] != x.shape[2:]:
@@ -222,14 +230,7 @@ def relevance_mass_accuracy(
     Returns:
         (N,) float64; NaN where the mask is empty.
     """
-    metric = quantus.RelevanceMassAccuracy(
-        abs=absolute,
-        normalise=False,
-        return_aggregate=False,
-        disable_warnings=True,
-        display_progressbar=False,
-    )
-    return _localisation(metric, images, targets, attributions, part_maps)
+    return _localisation(quantus.RelevanceMassAccuracy, images, targets, attributions, part_maps, absolute)
 
 
 def pointing_game(
@@ -252,11 +253,4 @@ def pointing_game(
     Returns:
         (N,) float64 of 0.0/1.0; NaN where the mask is empty.
     """
-    metric = quantus.PointingGame(
-        abs=absolute,
-        normalise=False,
-        return_aggregate=False,
-        disable_warnings=True,
-        display_progressbar=False,
-    )
-    return _localisation(metric, images, targets, attributions, part_maps)
+    return _localisation(quantus.PointingGame, images, targets, attributions, part_maps, absolute)

@@ -12,6 +12,7 @@ def test_benchmark_writes_every_score_for_every_method(tmp_path):
                            "--quantus-images", "3", "--nr-runs", "4", "--no-progress"])
     assert code == 0
     results = json.loads((tmp_path / "explanation_quality.json").read_text())
+    assert results["models"]["parts_cnn"]["checkpoint"]["test_accuracy"] >= 0.95
     methods = results["models"]["parts_cnn"]["methods"]
     assert set(methods) == {"OMENN", "OMENN (post-processed)", "Saliency", "InputXGradient",
                             "IntegratedGradients", "GradCAM", "LRP (Zennit ε+♭)", "Random"}
