@@ -14,11 +14,11 @@ setup(
     packages=find_packages(include=["omenn_kernels", "omenn_kernels.*", "triton_kernels"]),
     package_data={"omenn_kernels.models": ["checkpoints/*.safetensors", "checkpoints/*.json"]},
     install_requires=["torch>=2.6", "torchvision", "timm>=1.0", "numpy", "matplotlib", "ninja", "safetensors",
-                      "tqdm"],
+                      "tqdm", "pillow", "zarr>=3.1"],
     extras_require={
         # the explanation-quality benchmark's compared methods and metrics
         "eval": ["captum", "zennit", "quantus==0.6.0", "scipy"],
         "test": ["pytest", "pytest-benchmark", "hypothesis", "captum", "zennit", "quantus==0.6.0", "scipy"],
     },
-    entry_points={"console_scripts": ["omenn-demo=omenn_kernels.demo:main"]},
+    entry_points={"console_scripts": ["omenn=omenn_kernels.cli:entry_point"]},
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 import weakref
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import numpy as np
 import torch
@@ -16,11 +16,16 @@ from .errors import InputError, InputTypeError, TargetError
 from .linearize import LinearizedProgram, linearize
 
 Target = Union[int, Sequence[int], torch.Tensor, None]
+Readouts = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
 
 
 @dataclass
 class Explanation:
-    """The OMENN explanation of one read-out of the logits, for a batch of images.
+    """The OMENN explanation of one read-out of the logits (or T of them), for a batch of images.
+
+    Shapes are given for one read-out per image; with T read-outs
+    (:meth:`Explainer.explain_targets`) every field but ``logits`` gains a dimension T
+    after the batch: ``contribution`` (B, T, H, W), ``weight`` (B, T, C, H, W), ...
 
     Attributes:
         contribution: ``C`` (B, H, W) = ``Σ_c C_w ⊙ X + C_b``; sums to ``logit`` per image.
@@ -32,6 +37,7 @@ class Explanation:
             explanation's forward pass by the model's own operations in eval semantics
             (equal to ``model.eval()(x)`` up to floating-point rounding).
         target: (B,) class indices, or (B, K) read-out weights, that were explained.
+        logits: (B, K) all the model's logits from the same forward pass.
     """
 
     contribution: torch.Tensor
@@ -39,10 +45,11 @@ class Explanation:
     bias: torch.Tensor
     logit: torch.Tensor
     target: torch.Tensor
+    logits: torch.Tensor | None = None
 
     def completeness_error(self) -> torch.Tensor:
-        """Per image, ``|Σ C − ŷ| / |ŷ|``: how far the explanation is from summing to the logit."""
-        total = self.contribution.flatten(1).sum(1)
+        """Per explained read-out, ``|Σ C − ŷ| / |ŷ|``: how far the explanation is from summing to it."""
+        total = self.contribution.sum((-2, -1))
         return (total - self.logit).abs() / self.logit.abs().clamp_min(torch.finfo(self.logit.dtype).tiny)
 
 
@@ -109,6 +116,20 @@ def _readout(target: Target, batch: int, classes: int, device: torch.device) -> 
     return target
 
 
+def _multi_readout(weights: object, batch: int, classes: int, device: torch.device) -> torch.Tensor:
+    """Check T read-outs per image: (B, T, K) finite floating-point weights."""
+    if not isinstance(weights, torch.Tensor):
+        raise TargetError(f"read-outs must be a (B, T, K) tensor, got {type(weights).__name__}")
+    if not weights.is_floating_point():
+        raise TargetError(f"read-outs must be floating-point weights, got dtype {weights.dtype}")
+    if weights.dim() != 3 or weights.shape[0] != batch or weights.shape[2] != classes or weights.shape[1] == 0:
+        raise TargetError(f"read-outs must have shape ({batch}, T, {classes}) with T ≥ 1; "
+                          f"got {tuple(weights.shape)}")
+    if not bool(torch.isfinite(weights).all()):
+        raise TargetError("read-out weights contain NaN or Inf")
+    return weights.to(device)
+
+
 class Explainer:
     """Explains a model with OMENN, capturing and linearizing it once per input signature.
 
@@ -165,9 +186,39 @@ class Explainer:
                 x = x.clone()
             program, classes = self.program(x)
             readout = _readout(target, x.shape[0], classes, x.device)
-            weight, bias, logit, explained = self._run(program, self.model, x, readout)
+            weight, bias, logit, explained, logits = self._run(program, self.model, x, readout)
             contribution = (weight * x).sum(1) + bias
-        return Explanation(contribution.detach(), weight.detach(), bias.detach(), logit, explained)
+        return Explanation(contribution.detach(), weight.detach(), bias.detach(), logit, explained, logits)
+
+    def explain_targets(self, x: torch.Tensor, readouts: Readouts) -> Explanation:
+        """Explain T read-outs per image with one forward pass (and one backward per read-out).
+
+        Args:
+            x: (B, C, H, W) floating-point images on the model's device and dtype.
+            readouts: (B, T, K) read-out weights (a one-hot row explains one class,
+                ``e_a − e_b`` the contrast of two), or a function that maps the detached
+                logits (B, K) of the shared forward to such weights, for targets that
+                depend on the prediction (predicted class, top-k).
+
+        Returns:
+            An :class:`Explanation` whose fields have a dimension T after the batch:
+            ``contribution`` (B, T, H, W) sums to ``logit`` (B, T); ``logits`` (B, K).
+        """
+        x = _check_input(x, self.model)
+        with torch.inference_mode(False):
+            if x.is_inference():
+                x = x.clone()
+            program, classes = self.program(x)
+            batch = x.shape[0]
+
+            if callable(readouts):
+                def target(logits: torch.Tensor) -> torch.Tensor:
+                    return _multi_readout(readouts(logits), batch, classes, x.device)
+            else:
+                target = _multi_readout(readouts, batch, classes, x.device)
+            weight, bias, logit, explained, logits = self._run(program, self.model, x, target)
+            contribution = (weight * x.unsqueeze(1)).sum(2) + bias
+        return Explanation(contribution.detach(), weight.detach(), bias.detach(), logit, explained, logits)
 
     def attribute(self, inputs: torch.Tensor, target: Target = None) -> torch.Tensor:
         """Captum-style attributions (B, C, H, W): ``C_w ⊙ X + C_b / C`` per channel.

@@ -76,31 +76,53 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     return output
 
 
-def read_out(logits: torch.Tensor, target: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The explained read-out ``ŷ`` (B,) of ``logits`` and the target it used.
+def read_out(logits: torch.Tensor, target) -> tuple[torch.Tensor, torch.Tensor]:
+    """The explained read-out ``ŷ`` of ``logits`` (B, classes) and the target it used.
 
-    ``target``: (B,) class indices, (B, K) read-out weights, or None for the predicted class.
+    ``target``: (B,) class indices or (B, classes) read-out weights → ``ŷ`` (B,);
+    (B, T, classes) read-out weights → ``ŷ`` (B, T), T read-outs sharing one forward;
+    None → the predicted class; a callable → called with the detached logits, and its
+    result read out as above (so targets may depend on the prediction, e.g. top-k).
     """
+    if callable(target):
+        target = target(logits.detach())
     if target is None:
         target = logits.detach().argmax(-1)
     if target.is_floating_point():
-        return (logits * target.to(logits.dtype)).sum(-1), target
+        weights = target.to(logits.dtype)
+        if weights.dim() == 3:
+            return (logits.unsqueeze(1) * weights).sum(-1), target
+        return (logits * weights).sum(-1), target
     return logits.gather(1, target.unsqueeze(1)).squeeze(1), target
 
 
 def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                 target: torch.Tensor | None, ones_channels: int,
-                 implementation: Implementation) -> tuple[torch.Tensor, ...]:
-    """``(C_w, C_b, ŷ, target)`` for the read-out ``ŷ`` of ``target`` (see :func:`read_out`).
+                 target, ones_channels: int, implementation: Implementation) -> tuple[torch.Tensor, ...]:
+    """``(C_w, C_b, ŷ, target, logits)`` for the read-out ``ŷ`` of ``target`` (see :func:`read_out`).
 
     The input's ones channel has ``ones_channels`` channels: C (one per element) or 1
-    (one per pixel); ``C_b`` is its gradient summed over them.
+    (one per pixel); ``C_b`` is its gradient summed over them. With T read-outs per
+    image (``ŷ`` of shape (B, T)) the forward runs once and the backward once per
+    read-out: ``C_w`` is (B, T, C, H, W) and ``C_b`` (B, T, H, W).
     """
     with torch.inference_mode(False), torch.enable_grad():
         inputs = x.detach().clone().requires_grad_(True)
         ones = x.new_ones(x.shape[0], ones_channels, *x.shape[2:]).requires_grad_(True)
-        logits = forward(program, model, inputs, ones, implementation)
-        explained, target = read_out(logits.value, target)
-        weight, ones_grad = torch.autograd.grad(explained.sum(), [inputs, ones], allow_unused=True,
-                                                materialize_grads=True)
-    return weight, ones_grad.sum(1), explained.detach(), target
+        logits = forward(program, model, inputs, ones, implementation).value
+        explained, target = read_out(logits, target)
+        if explained.dim() == 1:
+            weight, ones_grad = _gradients(explained.sum(), inputs, ones, retain=False)
+            bias = ones_grad.sum(1)
+        else:
+            count = explained.shape[1]
+            per_readout = [_gradients(explained[:, t].sum(), inputs, ones, retain=t + 1 < count)
+                           for t in range(count)]
+            weight = torch.stack([w for w, _ in per_readout], 1)
+            bias = torch.stack([o.sum(1) for _, o in per_readout], 1)
+    return weight, bias, explained.detach(), target, logits.detach()
+
+
+def _gradients(readout: torch.Tensor, inputs: torch.Tensor, ones: torch.Tensor,
+               retain: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.autograd.grad(readout, [inputs, ones], retain_graph=retain, allow_unused=True,
+                               materialize_grads=True)

@@ -15,6 +15,6 @@ from .executor import explain_with
 
 
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                  target: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """``(C_w, C_b, ŷ, target)`` with one ones value per pixel and fused rules."""
+                  target) -> tuple[torch.Tensor, ...]:
+    """``(C_w, C_b, ŷ, target, logits)`` with one ones value per pixel and fused rules."""
     return explain_with(program, model, x, target, 1, lambda rule: rule.fused or rule.reference)

@@ -15,6 +15,6 @@ from .executor import explain_with
 
 
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                  target: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """``(C_w, C_b, ŷ, target)`` with full-shape ones and reference rules."""
+                  target) -> tuple[torch.Tensor, ...]:
+    """``(C_w, C_b, ŷ, target, logits)`` with full-shape ones and reference rules."""
     return explain_with(program, model, x, target, x.shape[1], lambda rule: rule.reference)

@@ -110,8 +110,10 @@ def _conv2d_ones_setup(ctx, inputs, output) -> None:
 
 def _conv2d_ones_grad(ctx, grad, grad_ones):
     x, ones, window_sum, weight, bias = ctx.saved_tensors
+    # Under autocast the saved input, the weight and the incoming gradient may differ in
+    # dtype; the CPU convolution backward needs them equal.
     grad_x = torch.ops.aten.convolution_backward(
-        grad, x, weight, None, ctx.stride, ctx.padding, ctx.dilation, False, [0, 0], ctx.groups,
+        grad.to(x.dtype), x, weight.to(x.dtype), None, ctx.stride, ctx.padding, ctx.dilation, False, [0, 0], ctx.groups,
         [True, False, False])[0]
     grad_ones_in = conv2d_ones_backward(grad.contiguous(), grad_ones.contiguous(), bias, window_sum,
                                         list(x.shape[2:]), list(weight.shape[2:]), ctx.stride,

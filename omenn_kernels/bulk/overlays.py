@@ -1,0 +1,95 @@
+"""Overlays and completeness reports read back from an attribution store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..visualize import overlay_grid, postprocess
+from .model_source import image_transform
+from .store import EXPLAINED, AttributionStore
+from .targets import NO_CLASS
+
+
+def target_names(pairs: np.ndarray) -> list[str]:
+    """'7' or '7−3' for each (positive, negative) class pair."""
+    return [f"{p}" if n == NO_CLASS else f"{p}−{n}" for p, n in pairs.tolist()]
+
+
+def completeness(store: AttributionStore, indices: list[int] | None = None) -> list[dict]:
+    """Per explained image and target: the explained read-out, the sum of contributions,
+    and their absolute and relative difference."""
+    status = store.status()
+    chosen = np.flatnonzero(status == EXPLAINED) if indices is None else np.asarray(indices)
+    if chosen.size == 0:
+        return []
+    sums = store.read("contribution", chosen).astype(np.float64).sum((-2, -1))
+    explained = store.read("explained", chosen).astype(np.float64)
+    pairs = store.read("targets", chosen)
+    paths = store.paths()
+    rows = []
+    for row, index in enumerate(chosen.tolist()):
+        for t, name in enumerate(target_names(pairs[row])):
+            error = abs(sums[row, t] - explained[row, t])
+            rows.append({"image": index, "path": paths[index], "target": name,
+                         "explained": explained[row, t], "sum_of_contributions": sums[row, t],
+                         "absolute_error": error, "relative_error": error / max(abs(explained[row, t]), 1e-12)})
+    return rows
+
+
+def write_overlays(store: AttributionStore, out: str | Path, *, indices: list[int] | None = None,
+                   limit: int = 16, source: str | Path | None = None, postprocessed: bool = False) -> list[Path]:
+    """One PNG per target: the contribution maps of the chosen images over the images.
+
+    Args:
+        store: the store to read.
+        out: folder for ``target<t>.png``.
+        indices: images to draw (default: the first ``limit`` explained ones).
+        limit: how many images at most.
+        source: the image folder (default: the one recorded in the store).
+        postprocessed: draw the paper's post-processed maps (positive part, clipped,
+            smoothed) instead of the raw signed ones.
+
+    Raises:
+        ValueError: no explained image to draw, or an index that is not explained.
+        FileNotFoundError: an image file is no longer in the source folder.
+    """
+    status = store.status()
+    if indices is None:
+        indices = np.flatnonzero(status == EXPLAINED)[:limit].tolist()
+    if not indices:
+        raise ValueError("the store holds no explained image to draw")
+    not_explained = [i for i in indices if not 0 <= i < store.num_images or status[i] != EXPLAINED]
+    if not_explained:
+        raise ValueError(f"images {not_explained} are not explained in the store (out of range, failed or pending)")
+    indices = indices[:limit]
+    root = Path(source or store.attrs["source"])
+    paths = store.paths()
+    display = image_transform(store.attrs["data_config"], normalize=False)
+    from PIL import Image
+
+    images = []
+    for i in indices:
+        file = root / paths[i]
+        if not file.is_file():
+            raise FileNotFoundError(f"image {i} ({paths[i]}) is not in {root}; pass the source folder")
+        with Image.open(file) as image:
+            images.append(display(image.convert("RGB")))
+    images_tensor = torch.stack(images)
+    contributions = torch.from_numpy(store.read("contribution", indices).astype(np.float32))
+    explained = store.read("explained", indices)
+    pairs = store.read("targets", indices)
+    out = Path(out)
+    written = []
+    for t in range(contributions.shape[1]):
+        maps = contributions[:, t]
+        if postprocessed:
+            maps = postprocess(maps)
+        titles = [f"{Path(paths[i]).name}: {target_names(pairs[row])[t]}, ŷ {explained[row, t]:.2f}, "
+                  f"ΣC {contributions[row, t].double().sum().item():.2f}" for row, i in enumerate(indices)]
+        path = out / f"target{t}.png"
+        overlay_grid(images_tensor, maps, path=path, titles=titles, postprocessed=postprocessed)
+        written.append(path)
+    return written

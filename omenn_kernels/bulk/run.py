@@ -1,0 +1,338 @@
+"""Explaining a whole image folder into an attribution store: batches, resume, sharding.
+
+The unit of work is a chunk of the store (``batch_size`` consecutive images of the
+sorted file list). A run explains the chunks that are not yet done, one batch per
+chunk, all targets of a batch from one forward pass; a writer thread stores each
+finished chunk while the next batch is explained. Under ``torchrun`` every process
+takes the chunks ``rank, rank + world, ...``, so the processes write disjoint chunks
+of one store, and each batch holds the same images as in a single-process run.
+
+Every batch is padded to ``batch_size`` images (repeating its first readable image;
+the padding is dropped) so that the model is captured once, whatever images fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from .. import __version__
+from ..api import Explainer
+from .images import ImageFiles, ImageList, collate_images, list_images
+from .model_source import LoadedModel, load_model
+from .store import COMPONENTS, EXPLAINED, FAILED, STORE_DTYPES, AttributionStore
+from .targets import NO_CLASS, TargetSpec, parse_targets, readout_weights
+
+log = logging.getLogger("omenn_kernels.bulk")
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class RunConfig:
+    """What ``omenn explain`` does; the fields mirror its options."""
+
+    source: Path
+    out: Path
+    model: str
+    checkpoint: Path | None = None
+    pretrained: bool = False
+    num_classes: int | None = None
+    targets: str = "predicted"
+    batch_size: int = 32
+    dtype: str = "fp32"
+    device: str = "cpu"
+    backend: str = "auto"
+    store_dtype: str = "float16"
+    components: tuple[str, ...] = ("contribution",)
+    workers: int = 2
+    overwrite: bool = False
+    progress: bool = True
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid option."""
+        if self.batch_size < 1:
+            raise ValueError(f"batch size must be ≥ 1, got {self.batch_size}")
+        if self.dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"dtype must be one of {list(AUTOCAST_DTYPES)}, got {self.dtype!r}")
+        if self.store_dtype not in STORE_DTYPES:
+            raise ValueError(f"store dtype must be one of {list(STORE_DTYPES)}, got {self.store_dtype!r}")
+        if "contribution" not in self.components or set(self.components) - set(COMPONENTS):
+            raise ValueError(f"components must include 'contribution' and be among {list(COMPONENTS)}; "
+                             f"got {list(self.components)}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be ≥ 0, got {self.workers}")
+
+
+@dataclass
+class RunSummary:
+    """The outcome of a run, over all processes.
+
+    ``explained`` and ``failed`` count the images this run processed; ``skipped`` those
+    a previous run had already done; ``store`` holds the totals.
+    """
+
+    store: Path
+    explained: int = 0
+    failed: int = 0
+    skipped: int = 0
+    seconds: float = 0.0
+    totals: dict = field(default_factory=dict)
+
+    @property
+    def images_per_second(self) -> float:
+        return (self.explained + self.failed) / self.seconds if self.seconds > 0 else 0.0
+
+
+def _distributed(device: str) -> tuple[int, int, bool]:
+    """(rank, world size, whether this call started the process group) under torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        return dist.get_rank(), dist.get_world_size(), True
+    return 0, 1, False
+
+
+def _device(name: str, world: int) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} was asked for, but CUDA is not available")
+        if device.index is None and world > 1:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+def _signature(config: RunConfig, loaded: LoadedModel, spec: TargetSpec, classes: int,
+               images: ImageList) -> dict:
+    return {
+        "model": loaded.name, "weights": loaded.weights, "weights_sha256": loaded.weights_sha256,
+        "targets": spec.text, "target_count": spec.count, "classes": classes,
+        "dtype": config.dtype, "backend": config.backend, "store_dtype": config.store_dtype,
+        "components": list(config.components), "batch_size": config.batch_size,
+        "image_shape": list(loaded.data_config["input_size"]), "num_images": len(images.paths),
+        "data_config": {k: list(v) if isinstance(v, tuple) else v for k, v in loaded.data_config.items()},
+        "source": str(images.root.resolve()), "class_folders": list(images.classes),
+        "omenn_kernels_version": __version__, "torch_version": torch.__version__,
+    }
+
+
+def _open_store(config: RunConfig, signature: dict, images: ImageList, rank: int) -> AttributionStore:
+    """Rank 0 creates (or checks) the store; the others open it after it exists."""
+    if rank == 0:
+        if config.out.exists() and config.overwrite:
+            log.info("removing the existing store %s (--overwrite)", config.out)
+            shutil.rmtree(config.out)
+        if config.out.exists():
+            store = AttributionStore.open(config.out, writable=True)
+            store.check_signature(signature)
+            log.info("resuming %s: %s", config.out, store.summary())
+        else:
+            store = AttributionStore.create(
+                config.out, paths=list(images.paths), labels=list(images.labels),
+                target_count=signature["target_count"], classes=signature["classes"],
+                image_shape=tuple(signature["image_shape"]), batch_size=config.batch_size,
+                store_dtype=config.store_dtype, components=config.components,
+                attributes={**signature, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    if dist.is_initialized():
+        dist.barrier()
+    if rank != 0:
+        store = AttributionStore.open(config.out, writable=True)
+        store.check_signature(signature)
+    return store
+
+
+class _ChunkWriter:
+    """Writes finished chunks on a thread, so that storing overlaps explaining."""
+
+    def __init__(self, store: AttributionStore, progress: tqdm) -> None:
+        self.store = store
+        self.progress = progress
+        self.error: BaseException | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._thread = threading.Thread(target=self._work, name="omenn-store-writer", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self.error is not None:
+                continue
+            chunk, arrays, status = item
+            try:
+                self.store.write_chunk(chunk, arrays, status)
+                self.progress.update(len(status))
+            except BaseException as error:  # handed to the main thread, which re-raises it
+                self.error = error
+
+    def put(self, chunk: int, arrays: dict, status: np.ndarray) -> None:
+        if self.error is not None:
+            raise RuntimeError("writing the store failed") from self.error
+        self._queue.put((chunk, arrays, status))
+
+    def close(self) -> None:
+        """Write what is queued and stop; re-raise a write error."""
+        self._queue.put(None)
+        self._thread.join()
+        if self.error is not None:
+            raise RuntimeError("writing the store failed") from self.error
+
+
+class _BatchExplainer:
+    """Explains one batch of a chunk into the store's arrays for that chunk."""
+
+    def __init__(self, config: RunConfig, explainer: Explainer, spec: TargetSpec, classes: int,
+                 images: ImageList, device: torch.device) -> None:
+        self.config = config
+        self.explainer = explainer
+        self.spec = spec
+        self.classes = classes
+        self.labels = torch.tensor(images.labels) if spec.needs_labels else None
+        self.paths = images.paths
+        self.device = device
+        self.autocast = AUTOCAST_DTYPES[config.dtype]
+        self.store_dtype = STORE_DTYPES[config.store_dtype]
+
+    def _empty(self, rows: int, image_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
+        t, (c, h, w) = self.spec.count, image_shape
+        value = self.store_dtype
+        arrays = {"contribution": np.full((rows, t, h, w), np.nan, value),
+                  "weighted_input": np.full((rows, t, c, h, w), np.nan, value),
+                  "bias": np.full((rows, t, h, w), np.nan, value),
+                  "explained": np.full((rows, t), np.nan, np.float32),
+                  "logits": np.full((rows, self.classes), np.nan, np.float32),
+                  "targets": np.full((rows, t, 2), NO_CLASS, np.int32)}
+        return {k: v for k, v in arrays.items() if k not in COMPONENTS or k in self.config.components}
+
+    def __call__(self, batch: dict, image_shape: tuple[int, ...]) -> tuple[dict, np.ndarray]:
+        indices = batch["indices"]
+        arrays = self._empty(len(indices), image_shape)
+        status = np.full(len(indices), FAILED, np.int8)
+        for index, error in batch["errors"].items():
+            log.warning("image %d (%s) could not be read and is recorded as failed: %s",
+                        index, self.paths[index], error)
+        if batch["images"] is None:
+            return arrays, status
+        rows = [indices.index(i) for i in batch["readable"]]
+        readable = len(rows)
+        x = batch["images"].to(self.device, non_blocking=True)
+        padding = self.config.batch_size - readable
+        if padding:
+            x = torch.cat([x, x[:1].expand(padding, *x.shape[1:])])
+        labels = None
+        if self.labels is not None:
+            labels = self.labels[batch["readable"]].to(self.device)
+            labels = torch.cat([labels, labels[:1].expand(padding)])
+        pairs: list[torch.Tensor] = []
+
+        def readouts(logits: torch.Tensor) -> torch.Tensor:
+            pairs.append(self.spec.resolve(logits, labels))
+            return readout_weights(pairs[-1], self.classes, torch.float32)
+
+        with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext():
+            e = self.explainer.explain_targets(x, readouts)
+        outputs = {"contribution": e.contribution, "bias": e.bias, "explained": e.logit, "logits": e.logits,
+                   "targets": pairs[0]}
+        if "weighted_input" in arrays:
+            outputs["weighted_input"] = e.weight * x.unsqueeze(1)
+        for name, values in outputs.items():
+            if name in arrays:
+                arrays[name][rows] = values[:readable].detach().float().cpu().numpy() \
+                    if values.is_floating_point() else values[:readable].cpu().numpy()
+        status[rows] = EXPLAINED
+        return arrays, status
+
+
+def explain_folder(config: RunConfig) -> RunSummary:
+    """Explain every image of ``config.source`` into the store ``config.out``.
+
+    Resumes a store written by an identical configuration (skipping finished chunks);
+    shards the chunks over the processes of a ``torchrun`` launch.
+
+    Raises:
+        StoreMismatchError: ``config.out`` holds a store of a different configuration.
+        FileNotFoundError, ValueError: a missing folder, no images, an unknown model.
+        TargetError: a target specification that does not fit the model or the images.
+    """
+    config.validate()
+    rank, world, started_group = _distributed(config.device)
+    try:
+        return _explain_folder(config, rank, world)
+    finally:
+        if started_group:
+            dist.destroy_process_group()
+
+
+def _explain_folder(config: RunConfig, rank: int, world: int) -> RunSummary:
+    device = _device(config.device, world)
+    images = list_images(config.source)
+    spec = parse_targets(config.targets)
+    loaded = load_model(config.model, checkpoint=config.checkpoint, pretrained=config.pretrained,
+                        num_classes=config.num_classes)
+    loaded.model.to(device)
+    image_shape = tuple(loaded.data_config["input_size"])
+    explainer = Explainer(loaded.model, backend=config.backend)
+    # Captured once, on the batch shape every batch is padded to.
+    _, classes = explainer.program(torch.zeros(config.batch_size, *image_shape, device=device))
+    spec.check(classes, has_labels=images.has_labels)
+    batch_explainer = _BatchExplainer(config, explainer, spec, classes, images, device)
+    store = _open_store(config, _signature(config, loaded, spec, classes, images), images, rank)
+
+    chunks = [c for c in store.pending_chunks() if c % world == rank]
+    mine = [c for c in range(store.num_chunks) if c % world == rank]
+    summary = RunSummary(config.out, skipped=sum(len(store.chunk_range(c)) for c in mine) -
+                         sum(len(store.chunk_range(c)) for c in chunks))
+    log.info("rank %d/%d: %d images to explain in %d batches (%d done before), model %s, targets %r "
+             "(%d per image), device %s, dtype %s, backend %s", rank, world,
+             sum(len(store.chunk_range(c)) for c in chunks), len(chunks), summary.skipped, loaded.name,
+             spec.text, spec.count, device, config.dtype, config.backend)
+    loader = DataLoader(ImageFiles(images, loaded.transform()),
+                        batch_sampler=[list(store.chunk_range(c)) for c in chunks],
+                        num_workers=config.workers, collate_fn=collate_images,
+                        pin_memory=device.type == "cuda")
+    progress = tqdm(total=sum(len(store.chunk_range(c)) for c in chunks), unit="img", dynamic_ncols=True,
+                    desc=f"explaining (rank {rank})" if world > 1 else "explaining",
+                    disable=not config.progress or rank != 0)
+    writer = _ChunkWriter(store, progress)
+    start = time.perf_counter()
+    try:
+        for chunk, batch in zip(chunks, loader):
+            arrays, status = batch_explainer(batch, image_shape)
+            writer.put(chunk, arrays, status)
+            summary.explained += int((status == EXPLAINED).sum())
+            summary.failed += int((status == FAILED).sum())
+    finally:
+        writer.close()
+        progress.close()
+    summary.seconds = time.perf_counter() - start
+
+    if dist.is_initialized():
+        counts = torch.tensor([summary.explained, summary.failed, summary.skipped], dtype=torch.float64)
+        seconds = torch.tensor([summary.seconds], dtype=torch.float64)
+        if dist.get_backend() == "nccl":
+            counts, seconds = counts.to(device), seconds.to(device)
+        dist.all_reduce(counts)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        summary.explained, summary.failed, summary.skipped = (int(v) for v in counts.tolist())
+        summary.seconds = float(seconds.item())
+        dist.barrier()
+    if rank == 0:
+        store.mark_complete()
+    summary.totals = store.summary()
+    log.info("rank %d: explained %d, failed %d, skipped %d images in %.1f s (%.1f img/s); store %s: %s",
+             rank, summary.explained, summary.failed, summary.skipped, summary.seconds,
+             summary.images_per_second, config.out, summary.totals)
+    return summary

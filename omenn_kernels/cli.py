@@ -1,0 +1,165 @@
+"""The ``omenn`` command: ``demo``, ``explain`` (a folder into a store) and ``show`` (overlays).
+
+Exit codes: 0 done; 1 an unexpected error (traceback logged); 2 a usage or input
+error (message on stderr); 3 done, but some images could not be read (recorded as
+failed in the store); 130 interrupted (finished batches are kept: run the same
+command again to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .errors import OmennError
+from .bulk.store import COMPONENTS, STORE_DTYPES, StoreMismatchError
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FAILED_IMAGES, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+log = logging.getLogger("omenn_kernels.cli")
+
+_EPILOG = """exit codes: 0 done; 1 unexpected error; 2 usage or input error; 3 done with unreadable
+images (recorded as failed); 130 interrupted (run again to resume)"""
+
+
+def _components(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in COMPONENTS]
+    if unknown or "contribution" not in names:
+        raise argparse.ArgumentTypeError(f"components must include 'contribution' and be among "
+                                         f"{', '.join(COMPONENTS)}; got {text!r}")
+    return names
+
+
+def _indices(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"image indices must be comma-separated integers, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omenn", description="Exact OMENN explanations of image "
+                                     "classifiers, for whole data sets.", epilog=_EPILOG)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, no progress bar")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = commands.add_parser("demo", help="offline demo: the shipped model on drawn images → overlays "
+                               "and a completeness report", epilog=_EPILOG)
+    demo.add_argument("--out", type=Path, default=Path("omenn_demo"), help="output folder (default: omenn_demo)")
+    demo.add_argument("--model", default="parts_vit", choices=["parts_vit", "parts_cnn"])
+    demo.add_argument("--images", type=_positive, default=8, help="images to draw and explain (default: 8)")
+    demo.add_argument("--backend", default="reference", choices=["reference", "fused", "auto"],
+                      help="'fused' compiles the C++ kernels on first use (needs g++)")
+
+    explain = commands.add_parser("explain", help="explain every image of a folder into an attribution store",
+                                  epilog=_EPILOG)
+    explain.add_argument("source", type=Path, help="a folder of images, or one sub-folder per class "
+                         "(integer folder names are used as class indices)")
+    explain.add_argument("--out", type=Path, required=True, help="the attribution store (a zarr folder); "
+                         "an existing store of the same run is resumed")
+    explain.add_argument("--model", required=True, help="parts_vit, parts_cnn, or a timm model name")
+    weights = explain.add_mutually_exclusive_group()
+    weights.add_argument("--checkpoint", type=Path, help="weights file (timm: .pth/.safetensors state_dict)")
+    weights.add_argument("--pretrained", action="store_true", help="timm's pretrained weights (downloads)")
+    explain.add_argument("--num-classes", type=_positive, help="timm: number of classes of the checkpoint's head")
+    explain.add_argument("--targets", default="predicted", help="comma-separated: predicted, label, a class "
+                         "index, topK, or a contrast a-b (a, b: index, predicted or label); default predicted")
+    explain.add_argument("--batch-size", type=_positive, default=32, help="images per batch and per store chunk")
+    explain.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                         help="compute dtype (bf16/fp16 through autocast)")
+    explain.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu, cuda or cuda:N")
+    explain.add_argument("--backend", default="auto", choices=["auto", "fused", "reference"])
+    explain.add_argument("--store-dtype", default="float16", choices=list(STORE_DTYPES))
+    explain.add_argument("--components", type=_components, default=("contribution",),
+                         help="what to store besides logits and targets: contribution[,weighted_input][,bias]")
+    explain.add_argument("--workers", type=int, default=min(4, max(1, (os.cpu_count() or 2) - 1)),
+                         help="image-loading processes")
+    explain.add_argument("--overwrite", action="store_true", help="replace an existing store instead of resuming")
+
+    show = commands.add_parser("show", help="draw overlays from an attribution store", epilog=_EPILOG)
+    show.add_argument("store", type=Path)
+    show.add_argument("--out", type=Path, required=True, help="folder for target<t>.png")
+    show.add_argument("--images", type=_indices, help="comma-separated image indices (default: the first explained)")
+    show.add_argument("--limit", type=_positive, default=16, help="images per overlay (default: 16)")
+    show.add_argument("--source", type=Path, help="the image folder, if it moved since the run")
+    show.add_argument("--postprocess", action="store_true", help="the paper's display post-processing")
+    return parser
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _setup_logging(verbose: bool, quiet: bool) -> None:
+    rank = os.environ.get("RANK")
+    prefix = f"[rank {rank}] " if rank is not None and os.environ.get("WORLD_SIZE", "1") != "1" else ""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO,
+                        format=f"%(asctime)s %(levelname)s {prefix}%(message)s", datefmt="%H:%M:%S")
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from .bulk.run import RunConfig, explain_folder
+
+    summary = explain_folder(RunConfig(
+        source=args.source, out=args.out, model=args.model, checkpoint=args.checkpoint,
+        pretrained=args.pretrained, num_classes=args.num_classes, targets=args.targets,
+        batch_size=args.batch_size, dtype=args.dtype, device=args.device, backend=args.backend,
+        store_dtype=args.store_dtype, components=args.components, workers=args.workers,
+        overwrite=args.overwrite, progress=not args.quiet))
+    return EXIT_FAILED_IMAGES if summary.totals.get("failed") else EXIT_OK
+
+
+def _show(args: argparse.Namespace) -> int:
+    from .bulk.overlays import write_overlays
+    from .bulk.store import AttributionStore
+
+    written = write_overlays(AttributionStore.open(args.store), args.out, indices=args.images, limit=args.limit,
+                             source=args.source, postprocessed=args.postprocess)
+    for path in written:
+        print(path)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``omenn`` command; returns its exit code."""
+    args = _parser().parse_args(argv)
+    _setup_logging(args.verbose, args.quiet)
+    try:
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(args.out, model=args.model, images=args.images, backend=args.backend,
+                            progress=not args.quiet)
+        return _explain(args) if args.command == "explain" else _show(args)
+    except KeyboardInterrupt:
+        log.error("interrupted; finished batches are in the store: run the same command again to resume")
+        return EXIT_INTERRUPTED
+    except (OmennError, StoreMismatchError, FileNotFoundError, FileExistsError, ValueError, KeyError) as error:
+        print(f"omenn {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception:
+        log.exception("omenn %s failed", args.command)
+        return EXIT_ERROR
+
+
+def entry_point() -> None:
+    """The console script."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry_point()
