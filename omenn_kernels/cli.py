@@ -51,11 +51,12 @@ def _positive(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omenn", description="Exact OMENN explanations of image "
                                      "classifiers, for whole data sets.", epilog=_EPILOG)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, no progress bar")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    common.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, no progress bar")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = commands.add_parser("demo", help="offline demo: the shipped model on drawn images → overlays "
+    demo = commands.add_parser("demo", parents=[common], help="offline demo: the shipped model on drawn images → overlays "
                                "and a completeness report", epilog=_EPILOG)
     demo.add_argument("--out", type=Path, default=Path("omenn_demo"), help="output folder (default: omenn_demo)")
     demo.add_argument("--model", default="parts_vit", choices=["parts_vit", "parts_cnn"])
@@ -63,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", default="reference", choices=["reference", "fused", "auto"],
                       help="'fused' compiles the C++ kernels on first use (needs g++)")
 
-    explain = commands.add_parser("explain", help="explain every image of a folder into an attribution store",
+    explain = commands.add_parser("explain", parents=[common], help="explain every image of a folder into an attribution store",
                                   epilog=_EPILOG)
     explain.add_argument("source", type=Path, help="a folder of images, or one sub-folder per class "
                          "(integer folder names are used as class indices)")
@@ -88,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                          help="image-loading processes")
     explain.add_argument("--overwrite", action="store_true", help="replace an existing store instead of resuming")
 
-    show = commands.add_parser("show", help="draw overlays from an attribution store", epilog=_EPILOG)
+    show = commands.add_parser("show", parents=[common], help="draw overlays from an attribution store", epilog=_EPILOG)
     show.add_argument("store", type=Path)
     show.add_argument("--out", type=Path, required=True, help="folder for target<t>.png")
     show.add_argument("--images", type=_indices, help="comma-separated image indices (default: the first explained)")

@@ -240,6 +240,55 @@ def test_explanation_is_linear_in_readout_weights(kind):
         _assert_close(getattr(eo, field), getattr(ei, field))
 
 
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+@pytest.mark.parametrize("kind", ["cnn", "mlp"])
+def test_many_readouts_share_a_forward_and_equal_single_calls(kind, backend):
+    """``explain_targets``: T read-outs per image from one forward equal T separate calls."""
+    model, x = MAKERS[kind](), make_input(kind)
+    explainer = Explainer(model, backend=backend)
+    g = torch.Generator().manual_seed(5)
+    readouts = torch.randn(x.shape[0], 4, K, generator=g, dtype=DT)
+    readouts[:, 0] = _onehot(2)
+    many = explainer.explain_targets(x, readouts)
+    assert many.contribution.shape == (x.shape[0], 4, *x.shape[2:]) and many.weight.shape == (x.shape[0], 4, *x.shape[1:])
+    _assert_close(many.logits, _logits(model, x))
+    for t in range(4):
+        single = explainer(x, readouts[:, t])
+        for field in ("contribution", "weight", "bias", "logit"):
+            _assert_close(getattr(many, field)[:, t], getattr(single, field))
+    assert float(many.completeness_error().max()) <= RTOL_COMPLETE
+
+
+def test_many_readouts_chosen_from_the_logits():
+    """A callable chooses the read-outs from the shared forward's logits (here: top-2)."""
+    model, x = MAKERS["cnn"](), make_input("cnn")
+    explainer = Explainer(model)
+    seen = []
+
+    def top2(logits):
+        seen.append(logits)
+        return torch.nn.functional.one_hot(logits.topk(2, -1).indices, K).to(logits.dtype)
+
+    many = explainer.explain_targets(x, top2)
+    assert len(seen) == 1 and not seen[0].requires_grad
+    top = _logits(model, x).topk(2, -1).indices
+    _assert_close(many.contribution[:, 1], explainer(x, top[:, 1]).contribution)
+
+
+@pytest.mark.parametrize("readouts, message", [
+    (torch.zeros(3, 2, K, dtype=torch.long), "floating-point"),
+    (torch.zeros(3, 2, K + 1, dtype=DT), r"shape \(3, T, 5\)"),
+    (torch.zeros(2, 2, K, dtype=DT), r"shape \(3, T, 5\)"),
+    (torch.zeros(3, 0, K, dtype=DT), "T ≥ 1"),
+    (torch.full((3, 1, K), float("nan"), dtype=DT), "NaN"),
+    ([[0.0] * K] * 3, "must be a"),
+    (lambda logits: logits, r"shape \(3, T, 5\)"),
+])
+def test_many_readouts_reject_bad_weights(readouts, message):
+    with pytest.raises(TargetError, match=message):
+        Explainer(MAKERS["cnn"]()).explain_targets(make_input("cnn"), readouts)
+
+
 # --------------------------------------------------------------------------- 3. zero biases
 
 

@@ -43,6 +43,22 @@ def test_fused_equals_reference_on_every_family(name, dtype):
     torch.testing.assert_close(fused.logit, reference.logit, rtol=TOLERANCE[dtype], atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["cnn", "vit"])
+def test_fused_under_autocast_follows_the_reference(name, dtype):
+    """Under CPU autocast (a float32 model, low-precision matmuls and convolutions) the
+    fused backend runs, and agrees with the reference under the same autocast to the
+    low precision's rounding (2e-2 relative; bf16 keeps 8 mantissa bits)."""
+    family = FAMILIES[name]
+    torch.manual_seed(4)
+    model = randomize_(family.build(), seed=4).eval()
+    x = torch.randn(2, 3, family.size, family.size)
+    with torch.autocast("cpu", dtype=dtype):
+        reference, fused = _both(model, x, 1)
+    assert _relative(fused.contribution.float(), reference.contribution.float()) <= 2e-2
+    assert _relative(fused.logit.float(), reference.logit.float()) <= 2e-2
+
+
 def test_auto_backend_is_the_fused_one():
     model = randomize_(FAMILIES["cnn"].build()).double().eval()
     x = torch.randn(1, 3, 32, 32, dtype=torch.float64)

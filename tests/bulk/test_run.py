@@ -1,0 +1,150 @@
+"""explain_folder: what the store holds after a run, failed images, resuming, configuration checks."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from omenn_kernels import Explainer
+from omenn_kernels.bulk import AttributionStore, RunConfig, StoreMismatchError, explain_folder, list_images
+from omenn_kernels.bulk.model_source import load_model
+from omenn_kernels.bulk.store import EXPLAINED, FAILED, PENDING
+from omenn_kernels.bulk.targets import NO_CLASS
+
+TARGETS = "predicted,label,top3,label-predicted,3-7"
+
+
+def _config(source, out, **overrides) -> RunConfig:
+    options = dict(model="parts_vit", targets=TARGETS, batch_size=8, backend="reference", store_dtype="float32",
+                   components=("contribution", "weighted_input", "bias"), workers=0, progress=False)
+    options.update(overrides)
+    return RunConfig(source=source, out=out, **options)
+
+
+def _inputs(folder, paths) -> torch.Tensor:
+    transform = load_model("parts_vit").transform()
+    images = []
+    for path in paths:
+        with Image.open(folder / path) as image:
+            images.append(transform(image.convert("RGB")))
+    return torch.stack(images)
+
+
+@pytest.fixture(scope="module")
+def multi_target_store(parts_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "store.zarr"
+    summary = explain_folder(_config(parts_folder, out))
+    return summary, AttributionStore.open(out)
+
+
+def test_every_image_and_target_is_complete(multi_target_store):
+    summary, store = multi_target_store
+    assert (summary.explained, summary.failed, summary.skipped) == (20, 0, 0)
+    assert summary.totals == {"explained": 20, "failed": 0, "pending": 0} and store.attrs["complete"]
+    contribution, explained = store.read("contribution").astype(np.float64), store.read("explained")
+    assert contribution.shape == (20, 7, 96, 96)
+    # float32 store: the sum of 96·96 contributions matches ŷ to float32 rounding.
+    np.testing.assert_allclose(contribution.sum((-2, -1)), explained, rtol=1e-5, atol=1e-4)
+    composed = store.read("weighted_input").astype(np.float64).sum(2) + store.read("bias")
+    np.testing.assert_allclose(composed, contribution, rtol=1e-5, atol=1e-6)
+
+
+def test_targets_and_readouts_match_the_logits(multi_target_store, parts_folder):
+    _, store = multi_target_store
+    logits, pairs, explained = store.read("logits"), store.read("targets"), store.read("explained")
+    labels = np.array(list_images(parts_folder).labels)
+    predicted, top3 = logits.argmax(1), np.argsort(-logits, 1)[:, :3]
+    expected_positive = np.stack([predicted, labels, *top3.T, labels, np.full(20, 3)], 1)
+    expected_negative = np.stack([*[np.full(20, NO_CLASS)] * 5, predicted, np.full(20, 7)], 1)
+    assert np.array_equal(pairs[..., 0], expected_positive) and np.array_equal(pairs[..., 1], expected_negative)
+    rows = np.arange(20)[:, None]
+    readout = logits[rows, pairs[..., 0]] - np.where(pairs[..., 1] >= 0, logits[rows, pairs[..., 1]], 0.0)
+    np.testing.assert_allclose(explained, readout, rtol=1e-5, atol=1e-5)
+
+
+def test_values_equal_direct_explanations(multi_target_store, parts_folder):
+    """The pipeline (padding, batching, multi-target) changes nothing: per image and target,
+    the stored maps equal a direct Explainer call on the same image alone."""
+    _, store = multi_target_store
+    paths, pairs = store.paths(), store.read("targets")
+    x = _inputs(parts_folder, paths)
+    explainer = Explainer(load_model("parts_vit").model)
+    for i in (0, 9, 19):
+        for t in (2, 6):
+            weights = torch.zeros(1, 50)
+            weights[0, pairs[i, t, 0]] += 1
+            if pairs[i, t, 1] >= 0:
+                weights[0, pairs[i, t, 1]] -= 1
+            direct = explainer(x[i:i + 1], target=weights)
+            np.testing.assert_allclose(store.read("contribution", [i])[0, t], direct.contribution[0].numpy(),
+                                       rtol=1e-4, atol=1e-6)
+            np.testing.assert_allclose(store.read("explained", [i])[0, t], direct.logit[0].item(), rtol=1e-5)
+    with torch.no_grad():
+        np.testing.assert_allclose(store.read("logits"), load_model("parts_vit").model(x).numpy(),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_unreadable_image_is_logged_and_failed(folder_with_corrupt_file, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="omenn_kernels.bulk"):
+        summary = explain_folder(_config(folder_with_corrupt_file, tmp_path / "s.zarr", targets="predicted",
+                                         batch_size=4))
+    store = AttributionStore.open(tmp_path / "s.zarr")
+    bad = store.paths().index("00/0000b.png")
+    status = store.status()
+    assert status[bad] == FAILED and (np.delete(status, bad) == EXPLAINED).all()
+    assert (summary.explained, summary.failed) == (6, 1) and store.attrs["complete"]
+    assert np.isnan(store.read("contribution", [bad])).all() and (store.read("targets", [bad]) == NO_CLASS).all()
+    assert "00/0000b.png" in caplog.text and "recorded as failed" in caplog.text
+    good = np.delete(np.arange(7), bad)
+    np.testing.assert_allclose(store.read("contribution", good).astype(np.float64).sum((-2, -1)),
+                               store.read("explained", good), rtol=1e-5, atol=1e-4)
+
+
+def test_resume_redoes_only_pending_chunks(parts_folder, tmp_path):
+    out = tmp_path / "s.zarr"
+    explain_folder(_config(parts_folder, out, targets="top2"))
+    store = AttributionStore.open(out, writable=True)
+    before = store.read("contribution")
+    # An interrupted run leaves a chunk without its commit mark (status written last).
+    store.group["status"][8:16] = PENDING
+    store.group["contribution"][8:16] = 0.0
+    summary = explain_folder(_config(parts_folder, out, targets="top2"))
+    assert (summary.explained, summary.skipped) == (8, 12)
+    assert np.array_equal(AttributionStore.open(out).read("contribution"), before)
+
+
+def test_other_configuration_is_refused_unless_overwritten(parts_folder, tmp_path):
+    out = tmp_path / "s.zarr"
+    explain_folder(_config(parts_folder, out, targets="predicted", components=("contribution",)))
+    with pytest.raises(StoreMismatchError, match="targets: store has 'predicted', this run 'top2'"):
+        explain_folder(_config(parts_folder, out, targets="top2", components=("contribution",)))
+    summary = explain_folder(_config(parts_folder, out, targets="top2", components=("contribution",), overwrite=True))
+    assert summary.explained == 20 and AttributionStore.open(out).attrs["targets"] == "top2"
+
+
+def test_bf16_autocast_run(parts_folder, tmp_path):
+    explain_folder(_config(parts_folder, tmp_path / "bf16.zarr", targets="label", dtype="bf16",
+                           components=("contribution",)))
+    explain_folder(_config(parts_folder, tmp_path / "fp32.zarr", targets="label", components=("contribution",)))
+    low, full = (AttributionStore.open(tmp_path / name) for name in ("bf16.zarr", "fp32.zarr"))
+    assert low.attrs["dtype"] == "bf16"
+    c_low, c_full = low.read("contribution").astype(np.float64), full.read("contribution").astype(np.float64)
+    # bf16 keeps 8 mantissa bits: the maps agree in shape, the sums to within a few percent.
+    assert np.corrcoef(c_low.ravel(), c_full.ravel())[0, 1] > 0.99
+    np.testing.assert_allclose(c_low.sum((-2, -1)), low.read("explained"), rtol=0.1)
+
+
+def test_bad_options(parts_folder, tmp_path):
+    with pytest.raises(ValueError, match="batch size"):
+        explain_folder(_config(parts_folder, tmp_path / "a", batch_size=0))
+    with pytest.raises(ValueError, match="dtype"):
+        explain_folder(_config(parts_folder, tmp_path / "b", dtype="fp8"))
+    with pytest.raises(ValueError, match="unknown model"):
+        explain_folder(_config(parts_folder, tmp_path / "c", model="no_such_model"))
+    with pytest.raises(ValueError, match="needs weights"):
+        explain_folder(_config(parts_folder, tmp_path / "d", model="resnet18"))
+    assert not any(tmp_path.iterdir())
