@@ -3,7 +3,10 @@
     python bench/report.py bench/results/end_to_end_cpu.json bench/results/kernels_cpu.json
 
 End-to-end groups get each method's median time and peak memory, each also as a
-ratio to input × gradient; kernel groups the median of each variant.
+ratio to input × gradient; target groups (``targets-*``) the median of the shared and
+the separate explanations and their ratio; pipeline groups (``pipeline-*``) each
+variant's images/s as a percentage of the preloaded one; kernel groups the median of
+each variant.
 """
 
 from __future__ import annotations
@@ -21,19 +24,45 @@ def _variant(name: str, group: str) -> str:
     return "-".join(p for p in parts if p not in group) or parts[-1]
 
 
+def _pipeline_rows(group: str, results: dict[str, tuple[float, int | None]],
+                   extra: dict[str, dict]) -> list[str]:
+    """Images/s of each pipeline variant, whole call and batch loop, as % of the preloaded one."""
+    preloaded = next((extra[v]["images_per_second"] for v in results if "preloaded" in v), None)
+    rows = [f"| {group} | median | images/s | % of preloaded | batch-loop images/s | % of preloaded |",
+            "|---|---|---|---|---|---|"]
+    for variant, (median, _) in results.items():
+        cells = []
+        for key in ("images_per_second", "loop_images_per_second"):
+            rate = extra[variant].get(key)
+            cells += ["–", "–"] if rate is None else \
+                [f"{rate:.1f}", f"{100 * rate / preloaded:.0f} %" if preloaded else "–"]
+        rows.append(f"| {variant} | {median * 1e3:.1f} ms | " + " | ".join(cells) + " |")
+    return rows
+
+
 def table(path: str) -> str:
     data = json.load(open(path))
     machine = data["machine_info"]
     cpu = machine.get("cpu", {}).get("brand_raw", machine.get("device", "?"))
     groups: dict[str, dict[str, tuple[float, int | None]]] = defaultdict(dict)
+    extra: dict[str, dict[str, dict]] = defaultdict(dict)
     for bench in data["benchmarks"]:
-        groups[bench["group"]][_variant(bench["name"], bench["group"])] = (
+        variant = _variant(bench["name"], bench["group"])
+        groups[bench["group"]][variant] = (
             bench["stats"]["median"], bench.get("extra_info", {}).get("peak_memory_bytes"))
+        extra[bench["group"]][variant] = bench.get("extra_info", {})
     lines = [f"Machine: {cpu}, {machine.get('torch_threads', '?')} threads, torch {machine.get('torch')}, "
              f"triton {machine.get('triton', '?')}, {machine.get('date', '?')} (`{path}`)", ""]
     for group, results in groups.items():
         base_time, base_memory = results.get("input_x_gradient", (None, None))
-        if base_time is None:
+        if group.startswith("targets-") and "shared" in results:
+            shared = results["shared"][0]
+            lines += [f"| {group} | median | ÷ shared |", "|---|---|---|"]
+            lines += [f"| {variant} | {median * 1e3:.1f} ms | {median / shared:.2f} |"
+                      for variant, (median, _) in results.items()]
+        elif group.startswith("pipeline-"):
+            lines += _pipeline_rows(group, results, extra[group])
+        elif base_time is None:
             lines += [f"| {group} | median |", "|---|---|"]
             lines += [f"| {variant} | {median * 1e3:.1f} ms |" for variant, (median, _) in results.items()]
         else:
