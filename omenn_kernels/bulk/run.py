@@ -208,14 +208,12 @@ class _BatchExplainer:
 
     def _empty(self, rows: int, image_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
         t, (c, h, w) = self.spec.count, image_shape
-        value = self.store_dtype
-        arrays = {"contribution": np.full((rows, t, h, w), np.nan, value),
-                  "weighted_input": np.full((rows, t, c, h, w), np.nan, value),
-                  "bias": np.full((rows, t, h, w), np.nan, value),
-                  "explained": np.full((rows, t), np.nan, np.float32),
-                  "logits": np.full((rows, self.classes), np.nan, np.float32),
-                  "targets": np.full((rows, t, 2), NO_CLASS, np.int32)}
-        return {k: v for k, v in arrays.items() if k not in COMPONENTS or k in self.config.components}
+        maps = {"contribution": (t, h, w), "weighted_input": (t, c, h, w), "bias": (t, h, w)}
+        arrays = {name: np.full((rows, *maps[name]), np.nan, self.store_dtype) for name in self.config.components}
+        arrays.update(explained=np.full((rows, t), np.nan, np.float32),
+                      logits=np.full((rows, self.classes), np.nan, np.float32),
+                      targets=np.full((rows, t, 2), NO_CLASS, np.int32))
+        return arrays
 
     def __call__(self, batch: dict, image_shape: tuple[int, ...]) -> tuple[dict, np.ndarray]:
         indices = batch["indices"]
@@ -292,18 +290,18 @@ def _explain_folder(config: RunConfig, rank: int, world: int) -> RunSummary:
     store = _open_store(config, _signature(config, loaded, spec, classes, images), images, rank)
 
     chunks = [c for c in store.pending_chunks() if c % world == rank]
-    mine = [c for c in range(store.num_chunks) if c % world == rank]
-    summary = RunSummary(config.out, skipped=sum(len(store.chunk_range(c)) for c in mine) -
-                         sum(len(store.chunk_range(c)) for c in chunks))
+    pending_images = sum(len(store.chunk_range(c)) for c in chunks)
+    mine = sum(len(store.chunk_range(c)) for c in range(rank, store.num_chunks, world))
+    summary = RunSummary(config.out, skipped=mine - pending_images)
     log.info("rank %d/%d: %d images to explain in %d batches (%d done before), model %s, targets %r "
              "(%d per image), device %s, dtype %s, backend %s", rank, world,
-             sum(len(store.chunk_range(c)) for c in chunks), len(chunks), summary.skipped, loaded.name,
+             pending_images, len(chunks), summary.skipped, loaded.name,
              spec.text, spec.count, device, config.dtype, config.backend)
     loader = DataLoader(ImageFiles(images, loaded.transform()),
                         batch_sampler=[list(store.chunk_range(c)) for c in chunks],
                         num_workers=config.workers, collate_fn=collate_images,
                         pin_memory=device.type == "cuda")
-    progress = tqdm(total=sum(len(store.chunk_range(c)) for c in chunks), unit="img", dynamic_ncols=True,
+    progress = tqdm(total=pending_images, unit="img", dynamic_ncols=True,
                     desc=f"explaining (rank {rank})" if world > 1 else "explaining",
                     disable=not config.progress or rank != 0)
     writer = _ChunkWriter(store, progress)
