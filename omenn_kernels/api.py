@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from . import backends
+from .backends.executor import PARAMETER_GRADIENTS, ParameterGradient
 from .capture import capture
 from .errors import InputError, InputTypeError, TargetError
 from .linearize import LinearizedProgram, linearize
@@ -38,6 +39,10 @@ class Explanation:
             (equal to ``model.eval()(x)`` up to floating-point rounding).
         target: (B,) class indices, or (B, K) read-out weights, that were explained.
         logits: (B, K) all the model's logits from the same forward pass.
+
+    Computed with ``create_graph=True`` the fields keep their autograd graph and are
+    differentiable with respect to the model's parameters (see :meth:`Explainer.__call__`);
+    otherwise every field is detached.
     """
 
     contribution: torch.Tensor
@@ -116,6 +121,25 @@ def _readout(target: Target, batch: int, classes: int, device: torch.device) -> 
     return target
 
 
+def _parameter_gradient(create_graph: bool, parameter_gradient: str) -> ParameterGradient | None:
+    """What the backends need to know: None for detached explanations, else the gradient's kind."""
+    if not isinstance(create_graph, bool):
+        raise TypeError(f"create_graph must be a bool, got {type(create_graph).__name__}")
+    if parameter_gradient not in PARAMETER_GRADIENTS:
+        raise ValueError(f"unknown parameter_gradient {parameter_gradient!r}; expected one of "
+                         f"{', '.join(repr(p) for p in PARAMETER_GRADIENTS)}")
+    return parameter_gradient if create_graph else None
+
+
+def _kept(explanation: Explanation, create_graph: bool) -> Explanation:
+    """``explanation`` as returned: detached unless its graph was asked for."""
+    if create_graph:
+        return explanation
+    return Explanation(explanation.contribution.detach(), explanation.weight.detach(),
+                       explanation.bias.detach(), explanation.logit.detach(), explanation.target,
+                       explanation.logits.detach())
+
+
 def _multi_readout(weights: object, batch: int, classes: int, device: torch.device) -> torch.Tensor:
     """Check T read-outs per image: (B, T, K) finite floating-point weights."""
     if not isinstance(weights, torch.Tensor):
@@ -170,7 +194,8 @@ class Explainer:
             self._programs[key] = (program, shape[1])
         return self._programs[key]
 
-    def __call__(self, x: torch.Tensor, target: Target = None) -> Explanation:
+    def __call__(self, x: torch.Tensor, target: Target = None, *, create_graph: bool = False,
+                 parameter_gradient: ParameterGradient = "total") -> Explanation:
         """Explain ``target`` for the batch ``x``.
 
         Args:
@@ -178,7 +203,22 @@ class Explainer:
             target: an int class, (B,) integer classes, (K,) or (B, K) read-out weights
                 (e.g. ``e_a − e_b`` for a contrastive explanation), or None for each
                 image's predicted class.
+            create_graph: keep the autograd graph, so that ``contribution``, ``weight`` and
+                ``bias`` are differentiable with respect to the model's parameters (for
+                attribution losses in training). Their values do not change.
+            parameter_gradient: with ``create_graph``, what the gradient with respect to
+                the parameters θ is. ``"total"``: the total derivative of ``C(θ)``: the
+                multipliers (``ξ``, ``1/σ``, attention weights) are held constant with
+                respect to the input, as always, but follow θ; it equals finite
+                differences of ``C``, and costs one more forward of the model, whose
+                output ``logits`` is then the model's own (differentiable) output.
+                ``"fixed_multipliers"``: a cheaper surrogate that also holds the
+                multipliers fixed with respect to θ (only the weights and biases inside
+                the linear map are differentiated); ``logit`` and ``logits`` are detached.
+                The fused backend has no double backward and runs the reference rules
+                then, with a warning.
         """
+        parameter_gradient = _parameter_gradient(create_graph, parameter_gradient)
         x = _check_input(x, self.model)
         # Explaining needs autograd, also when called under inference_mode.
         with torch.inference_mode(False):
@@ -186,11 +226,13 @@ class Explainer:
                 x = x.clone()
             program, classes = self.program(x)
             readout = _readout(target, x.shape[0], classes, x.device)
-            weight, bias, logit, explained, logits = self._run(program, self.model, x, readout)
+            weight, bias, logit, explained, logits = self._run(program, self.model, x, readout,
+                                                               parameter_gradient)
             contribution = (weight * x).sum(1) + bias
-        return Explanation(contribution.detach(), weight.detach(), bias.detach(), logit, explained, logits)
+        return _kept(Explanation(contribution, weight, bias, logit, explained, logits), create_graph)
 
-    def explain_targets(self, x: torch.Tensor, readouts: Readouts) -> Explanation:
+    def explain_targets(self, x: torch.Tensor, readouts: Readouts, *, create_graph: bool = False,
+                        parameter_gradient: ParameterGradient = "total") -> Explanation:
         """Explain T read-outs per image with one forward pass (and one backward per read-out).
 
         Args:
@@ -199,11 +241,13 @@ class Explainer:
                 ``e_a − e_b`` the contrast of two), or a function that maps the detached
                 logits (B, K) of the shared forward to such weights, for targets that
                 depend on the prediction (predicted class, top-k).
+            create_graph, parameter_gradient: as in :meth:`__call__`.
 
         Returns:
             An :class:`Explanation` whose fields have a dimension T after the batch:
             ``contribution`` (B, T, H, W) sums to ``logit`` (B, T); ``logits`` (B, K).
         """
+        parameter_gradient = _parameter_gradient(create_graph, parameter_gradient)
         x = _check_input(x, self.model)
         with torch.inference_mode(False):
             if x.is_inference():
@@ -216,9 +260,10 @@ class Explainer:
                     return _multi_readout(readouts(logits), batch, classes, x.device)
             else:
                 target = _multi_readout(readouts, batch, classes, x.device)
-            weight, bias, logit, explained, logits = self._run(program, self.model, x, target)
+            weight, bias, logit, explained, logits = self._run(program, self.model, x, target,
+                                                               parameter_gradient)
             contribution = (weight * x.unsqueeze(1)).sum(2) + bias
-        return Explanation(contribution.detach(), weight.detach(), bias.detach(), logit, explained, logits)
+        return _kept(Explanation(contribution, weight, bias, logit, explained, logits), create_graph)
 
     def attribute(self, inputs: torch.Tensor, target: Target = None) -> torch.Tensor:
         """Captum-style attributions (B, C, H, W): ``C_w ⊙ X + C_b / C`` per channel.
@@ -231,7 +276,8 @@ class Explainer:
 
 
 def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
-            backend: str = "reference") -> Explanation:
+            backend: str = "reference", create_graph: bool = False,
+            parameter_gradient: ParameterGradient = "total") -> Explanation:
     """Explain ``model`` on ``x`` for ``target`` with OMENN (one capture, one forward, one backward).
 
     Args:
@@ -240,6 +286,10 @@ def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
         target: an int class, (B,) integer classes, (K,) or (B, K) read-out weights, or
             None for each image's predicted class.
         backend: ``"reference"`` or ``"auto"``.
+        create_graph, parameter_gradient: an explanation differentiable with respect to
+            the model's parameters (see :meth:`Explainer.__call__`). Training loops
+            should keep one :class:`Explainer` (or use :func:`explainer_for`), which
+            captures the model once.
 
     Returns:
         The :class:`Explanation`; ``contribution.sum((1, 2)) == logit`` up to rounding.
@@ -249,11 +299,24 @@ def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
         not fit the model's output. UnsupportedOpError: an operation with no rule.
         CaptureError: a forward torch.export cannot capture.
     """
-    return Explainer(model, backend=backend)(x, target)
+    return Explainer(model, backend=backend)(x, target, create_graph=create_graph,
+                                             parameter_gradient=parameter_gradient)
 
 
-_QUANTUS_EXPLAINERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Explainer]]" = \
+_EXPLAINERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Explainer]]" = \
     weakref.WeakKeyDictionary()
+
+
+def explainer_for(model: torch.nn.Module, backend: str = "reference") -> Explainer:
+    """The :class:`Explainer` of ``model`` and ``backend`` kept for repeated calls (held weakly).
+
+    Code that explains the same model many times (Quantus metrics, attribution losses at
+    every training step) captures it once per input signature this way.
+    """
+    per_backend = _EXPLAINERS.setdefault(model, {})
+    if backend not in per_backend:
+        per_backend[backend] = Explainer(model, backend=backend)
+    return per_backend[backend]
 
 
 def quantus_explain(model: torch.nn.Module, inputs, targets, **kwargs) -> np.ndarray:
@@ -271,9 +334,7 @@ def quantus_explain(model: torch.nn.Module, inputs, targets, **kwargs) -> np.nda
     else:
         x = x.to(device=kwargs.get("device") or "cpu")
     target = torch.as_tensor(np.asarray(targets), device=x.device).long().reshape(-1)
-    backend = kwargs.get("backend", "reference")
-    per_backend = _QUANTUS_EXPLAINERS.setdefault(model, {})
-    explainer = per_backend.setdefault(backend, Explainer(model, backend=backend))
+    explainer = explainer_for(model, kwargs.get("backend", "reference"))
     if kwargs.get("reduce_channels", False):
         return explainer(x, target).contribution.unsqueeze(1).cpu().numpy()
     return explainer.attribute(x, target).detach().cpu().numpy()

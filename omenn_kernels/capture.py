@@ -82,8 +82,13 @@ def capture(model: torch.nn.Module, example: torch.Tensor) -> CapturedModel:
     return CapturedModel(program, program.graph, user_inputs[0].arg.name, bindings, outputs[0].arg.name)
 
 
-def bound_tensors(captured: CapturedModel, model: torch.nn.Module) -> dict[str, object]:
-    """The current parameters, buffers and constants of ``model`` for the graph's placeholders."""
+def bound_tensors(captured: CapturedModel, model: torch.nn.Module,
+                  differentiable: bool = False) -> dict[str, object]:
+    """The current parameters, buffers and constants of ``model`` for the graph's placeholders.
+
+    Detached, unless ``differentiable``: then what is computed from them can be
+    differentiated with respect to the model's parameters.
+    """
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     values: dict[str, object] = {}
@@ -92,7 +97,7 @@ def bound_tensors(captured: CapturedModel, model: torch.nn.Module) -> dict[str, 
             if target not in named:
                 raise CaptureError(f"the model no longer has the parameter or buffer '{target}' "
                                    "it was captured with; create a new Explainer")
-            values[name] = named[target].detach()
+            values[name] = named[target] if differentiable else named[target].detach()
         else:
             values[name] = captured.program.constants[target]
     return values

@@ -2,11 +2,19 @@
 
 Shared by the backends, which differ in the shape of the input's ones channel and
 in the implementation they pick for each rule (reference math or a fused op).
+
+Explanations differentiable with respect to the parameters (``parameter_gradient``):
+the parameters are bound without detaching them and the backward keeps its graph.
+With ``"total"`` the forward also runs every LIVE operation on the ``held`` values,
+which is the model's own forward of the detached input: the multipliers computed from
+it are constant with respect to the input but follow the parameters, so the gradient
+of ``C`` with respect to the parameters is its total derivative. With
+``"fixed_multipliers"`` the multipliers stay detached from the parameters too.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -17,6 +25,8 @@ from ..linearize.registry import Rule, RuleError, op_name, unsupported
 from ..linearize.values import Gate, Live, contains, plain
 
 Implementation = Callable[[Rule], Callable]
+ParameterGradient = Literal["total", "fixed_multipliers"]
+PARAMETER_GRADIENTS: tuple[str, ...] = ("total", "fixed_multipliers")
 
 
 def _as_gate(result):
@@ -37,19 +47,32 @@ def _lookup_env(env: dict, arg):
     return arg
 
 
+def _attach_held(result, held) -> None:
+    """Give each Live of a rule's result the matching part of the op's result on held values."""
+    if isinstance(result, Live):
+        result.held = held
+    elif isinstance(result, (list, tuple)):
+        for part, held_part in zip(result, held):
+            _attach_held(part, held_part)
+
+
 def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-            ones: torch.Tensor, implementation: Implementation) -> Live:
+            ones: torch.Tensor, implementation: Implementation,
+            parameter_gradient: ParameterGradient | None = None) -> Live:
     """Run the linearized program on ``(x, ones)`` and return the LIVE model output.
 
     ``implementation(rule)`` picks the function that runs each LIVE rule.
+    ``parameter_gradient`` (None: everything is detached from the parameters) is
+    explained in the module's docstring.
 
     Raises:
         UnsupportedOpError: a rule met operands it cannot linearize (e.g. a product of
             two LIVE tensors), naming the op and module path.
     """
     captured = program.captured
-    env: dict[str, object] = bound_tensors(captured, model)
-    env[captured.input_name] = Live(x, ones)
+    env: dict[str, object] = bound_tensors(captured, model, differentiable=parameter_gradient is not None)
+    track_held = parameter_gradient == "total"
+    env[captured.input_name] = Live(x, ones, x.detach() if track_held else None)
     for step in program.steps:
         node = step.node
         args = _lookup_env(env, node.args)
@@ -63,6 +86,8 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                 env[node.name] = implementation(step.rule)(node.target, *args, **kwargs)
             except RuleError as error:
                 raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
+            if track_held:
+                _attach_held(env[node.name], node.target(*plain(args), **plain(kwargs)))
     output = env[captured.output_name]
     if not isinstance(output, Live):
         producer = next((s for s in program.steps if s.node.name == captured.output_name), None)
@@ -96,33 +121,57 @@ def read_out(logits: torch.Tensor, target) -> tuple[torch.Tensor, torch.Tensor]:
     return logits.gather(1, target.unsqueeze(1)).squeeze(1), target
 
 
+def _model_logits(output: Live, parameter_gradient: ParameterGradient | None) -> torch.Tensor:
+    """The logits to return: the linearized forward's numbers, with the model's parameter gradient.
+
+    Only the held forward (``"total"``) is the model's own function of the parameters; the
+    linearized value's gradient holds the multipliers fixed, so it is never exposed. The
+    numbers stay the linearized forward's (equal up to rounding), so that first-order
+    results do not change with ``parameter_gradient``.
+    """
+    logits = output.value.detach()
+    if parameter_gradient == "total":
+        return output.held + (logits - output.held).detach()
+    return logits
+
+
 def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                 target, ones_channels: int, implementation: Implementation) -> tuple[torch.Tensor, ...]:
+                 target, ones_channels: int, implementation: Implementation,
+                 parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
     """``(C_w, C_b, ŷ, target, logits)`` for the read-out ``ŷ`` of ``target`` (see :func:`read_out`).
 
     The input's ones channel has ``ones_channels`` channels: C (one per element) or 1
     (one per pixel); ``C_b`` is its gradient summed over them. With T read-outs per
     image (``ŷ`` of shape (B, T)) the forward runs once and the backward once per
     read-out: ``C_w`` is (B, T, C, H, W) and ``C_b`` (B, T, H, W).
+
+    With ``parameter_gradient`` (see the module's docstring) ``C_w`` and ``C_b`` are
+    differentiable with respect to the model's parameters; so are ``ŷ`` and ``logits``
+    with ``"total"`` (the model's own gradient), while with ``"fixed_multipliers"`` they
+    are detached.
     """
+    keep_graph = parameter_gradient is not None
     with torch.inference_mode(False), torch.enable_grad():
         inputs = x.detach().clone().requires_grad_(True)
         ones = x.new_ones(x.shape[0], ones_channels, *x.shape[2:]).requires_grad_(True)
-        logits = forward(program, model, inputs, ones, implementation).value
-        explained, target = read_out(logits, target)
-        if explained.dim() == 1:
-            weight, ones_grad = _gradients(explained.sum(), inputs, ones, retain=False)
+        output = forward(program, model, inputs, ones, implementation, parameter_gradient)
+        linear_readout, target = read_out(output.value, target)
+        if linear_readout.dim() == 1:
+            weight, ones_grad = _gradients(linear_readout.sum(), inputs, ones, keep_graph, keep_graph)
             bias = ones_grad.sum(1)
         else:
-            count = explained.shape[1]
-            per_readout = [_gradients(explained[:, t].sum(), inputs, ones, retain=t + 1 < count)
+            count = linear_readout.shape[1]
+            per_readout = [_gradients(linear_readout[:, t].sum(), inputs, ones,
+                                      keep_graph or t + 1 < count, keep_graph)
                            for t in range(count)]
             weight = torch.stack([w for w, _ in per_readout], 1)
             bias = torch.stack([o.sum(1) for _, o in per_readout], 1)
-    return weight, bias, explained.detach(), target, logits.detach()
+        logits = _model_logits(output, parameter_gradient)
+        explained, _ = read_out(logits, target)
+    return weight, bias, explained, target, logits
 
 
 def _gradients(readout: torch.Tensor, inputs: torch.Tensor, ones: torch.Tensor,
-               retain: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.autograd.grad(readout, [inputs, ones], retain_graph=retain, allow_unused=True,
-                               materialize_grads=True)
+               retain: bool, create_graph: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.autograd.grad(readout, [inputs, ones], retain_graph=retain, create_graph=create_graph,
+                               allow_unused=True, materialize_grads=True)

@@ -2,6 +2,8 @@
 
 * ``Live``: computed from the input; carries its ones channel ``ones`` (the rule
   book's ``O``) next to its ``value``. Both take part in the backward pass.
+  Multipliers (activation ``ξ``, ``1/σ``, attention weights) are computed from its
+  ``held`` value, which is held constant with respect to the input.
 * ``Gate``: computed from the input but held constant (R5): softmax attention
   weights, squeeze-excitation sigmoids and everything that only feeds them.
 * anything else (tensors, numbers, shapes): CONST — parameters, buffers, constants.
@@ -23,10 +25,17 @@ class Live:
     ones value shared along that dimension (one per token or pixel, not per channel).
     Sharing does not change C, C_w or C_b: a shared entry's gradient is the sum of
     the gradients its broadcast copies would get.
+
+    ``held`` is the same number as ``value``, as the multipliers see it: constant with
+    respect to the input. None means ``value.detach()`` (constant with respect to
+    everything). For gradients with respect to the parameters it is the model's own
+    forward of the detached input, which still depends on the parameters, so a
+    multiplier's change with the parameters is differentiated too.
     """
 
     value: torch.Tensor
     ones: torch.Tensor
+    held: torch.Tensor | None = None
 
 
 @dataclass
@@ -44,10 +53,11 @@ def full_ones(live: Live) -> torch.Tensor:
 def plain(obj: Any) -> Any:
     """The numeric value of ``obj`` with Live/Gate unwrapped (recursively in lists/tuples).
 
-    Live values are detached: a plain value never carries the explanation's gradient.
+    Live values give their ``held`` value: a plain value never carries the gradient with
+    respect to the input.
     """
     if isinstance(obj, Live):
-        return obj.value.detach()
+        return obj.value.detach() if obj.held is None else obj.held
     if isinstance(obj, Gate):
         return obj.value
     if isinstance(obj, (list, tuple)):

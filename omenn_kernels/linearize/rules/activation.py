@@ -19,7 +19,7 @@ import torch
 
 from ..registry import Rule, arguments, register
 from ..fused import kernels_available
-from ..values import Live
+from ..values import Live, plain
 
 aten = torch.ops.aten
 
@@ -54,11 +54,12 @@ def _at_zero(op: Callable, x: torch.Tensor, rest: list) -> tuple[float, float]:
 
 
 def multiplier(op, x: torch.Tensor, *rest) -> tuple[torch.Tensor, float]:
-    """The detached multiplier ``ξ(x)`` of activation ``op`` and its offset ``f(0)``.
+    """The multiplier ``ξ(x)`` of activation ``op`` and its offset ``f(0)``.
 
-    ``op(x, *rest) == f(0) + x·ξ(x)`` elementwise (up to rounding).
+    ``op(x, *rest) == f(0) + x·ξ(x)`` elementwise (up to rounding). ``ξ`` follows ``x``'s
+    autograd history: pass a value held constant with respect to the input
+    (:func:`~omenn_kernels.linearize.values.plain`).
     """
-    x = x.detach()
     closed = CLOSED_FORM.get(op)
     if closed is not None:
         return closed(x, *rest), 0.0
@@ -70,7 +71,7 @@ def multiplier(op, x: torch.Tensor, *rest) -> tuple[torch.Tensor, float]:
 def _activation(op, *args, **kwargs):
     """R4: ``f(0)·O + x·ξ(x)`` with ``ξ`` held constant; the ones pass through."""
     x, *rest = arguments(op, args, kwargs)
-    xi, offset = multiplier(op, x.value, *rest)
+    xi, offset = multiplier(op, plain(x), *rest)
     value = x.value * xi
     if offset != 0.0:
         value = value + offset * x.ones

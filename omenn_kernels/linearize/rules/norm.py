@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Live, full_ones, require_reached
+from ..values import Live, full_ones, plain, require_reached
 
 aten = torch.ops.aten
 
@@ -107,7 +107,7 @@ def _batch_norm(op, *args, **kwargs):
 def normalized(x: Live, dims: list[int], weight, bias, eps: float, centre: bool = True) -> Live:
     """R3': ``(x − mean)·stopgrad(1/σ)·γ + β·Ō`` over ``dims`` (RMS form when not ``centre``)."""
     value = x.value
-    frozen = value.detach()
+    frozen = plain(x)
     if centre:
         value = value - value.mean(dims, keepdim=True)
         inverse_scale = torch.rsqrt(frozen.var(dims, unbiased=False, keepdim=True) + eps)
@@ -141,7 +141,8 @@ def _rms_norm(op, *args, **kwargs):
 
 def _grouped(x: Live, groups: int, weight, bias, eps: float) -> Live:
     batch = x.value.shape[0]
-    as_groups = Live(x.value.reshape(batch, groups, -1), full_ones(x).reshape(batch, groups, -1))
+    as_groups = Live(x.value.reshape(batch, groups, -1), full_ones(x).reshape(batch, groups, -1),
+                     plain(x).reshape(batch, groups, -1))
     out = normalized(as_groups, [-1], None, None, eps)
     value = out.value.reshape(x.value.shape)
     ones = out.ones.expand(out.value.shape).reshape(x.value.shape)
