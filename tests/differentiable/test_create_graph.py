@@ -1,0 +1,132 @@
+"""``create_graph=True``: what changes (a graph to the parameters) and what must not.
+
+* First-order results (C, C_w, C_b, ŷ, logits) are those of ``create_graph=False``,
+  for both kinds of parameter gradient: float64, rtol 1e-12 (the two runs order no
+  operation differently; the margin is for the logits' held/linear recombination).
+* The model is unchanged by an explanation and its backward: parameters, buffers
+  (BatchNorm statistics included), ``training`` and ``requires_grad`` flags are
+  bitwise the same; only ``.grad`` is filled, for the optimizer.
+* With ``"total"`` the returned logits are the model's own output with its own gradient.
+* The fused backend has no double backward: it warns and runs the reference rules,
+  with the same gradients (rtol 1e-9).
+* Many read-outs per forward: the gradient of their sum is the sum of single-target
+  gradients (rtol 1e-9).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from omenn_kernels import Explainer, explain
+from omenn_kernels.capture import eval_semantics
+from differentiable_models import DT, MODELS
+
+RTOL_SAME = 1e-12
+RTOL_GRADIENT = 1e-9
+TARGET = torch.tensor([1, 3])
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> None:
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * float(expected.abs().max()))
+
+
+def _gradients(explanation, params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    loss = (explanation.contribution ** 2).sum() + explanation.bias.sum() + (explanation.weight.sin()).sum()
+    return torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("parameter_gradient", ["total", "fixed_multipliers"])
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_first_order_results_unchanged(family, parameter_gradient):
+    model, x = MODELS[family]()
+    explainer = Explainer(model)
+    plain = explainer(x, TARGET)
+    kept = explainer(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
+    assert kept.contribution.requires_grad and kept.weight.requires_grad and kept.bias.requires_grad
+    assert not (plain.contribution.requires_grad or plain.weight.requires_grad or plain.logit.requires_grad)
+    for field in ("contribution", "weight", "bias", "logit", "logits"):
+        _assert_close(getattr(kept, field).detach(), getattr(plain, field), RTOL_SAME)
+    assert torch.equal(kept.target, plain.target)
+    torch.testing.assert_close(kept.contribution.sum((1, 2)).detach(), kept.logit.detach(), rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_model_unchanged_but_for_grad(family):
+    model, x = MODELS[family]()
+    model.train()
+    frozen = next(iter(model.parameters()))
+    frozen.requires_grad_(False)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [(m, m.training) for m in model.modules()]
+    requires = [(p, p.requires_grad) for p in model.parameters()]
+
+    explanation = explain(model, x, TARGET, create_graph=True)
+    (explanation.contribution.square().sum() + explanation.logits.sum()).backward()
+
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), f"{name} changed"
+    assert all(m.training == flag for m, flag in flags)
+    assert all(p.requires_grad == flag for p, flag in requires)
+    assert frozen.grad is None
+    assert all(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_total_logits_carry_the_models_own_gradient(family):
+    model, x = MODELS[family]()
+    params = list(model.parameters())
+    logits = explain(model, x, TARGET, create_graph=True).logits
+    with eval_semantics(model):
+        own = model(x)
+    weights = torch.randn(own.shape, dtype=DT, generator=torch.Generator().manual_seed(3))
+    for actual, expected in zip(torch.autograd.grad((logits * weights).sum(), params),
+                                torch.autograd.grad((own * weights).sum(), params)):
+        _assert_close(actual, expected, RTOL_GRADIENT)
+    fixed = explain(model, x, TARGET, create_graph=True, parameter_gradient="fixed_multipliers")
+    assert not fixed.logits.requires_grad and not fixed.logit.requires_grad
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_fused_backend_warns_and_matches_reference(family):
+    model, x = MODELS[family]()
+    params = list(model.parameters())
+    with pytest.warns(RuntimeWarning, match="no double backward"):
+        fused = Explainer(model, backend="auto")(x, TARGET, create_graph=True)
+    reference = Explainer(model)(x, TARGET, create_graph=True)
+    for actual, expected in zip(_gradients(fused, params), _gradients(reference, params)):
+        _assert_close(actual, expected, RTOL_GRADIENT)
+
+
+def test_many_readouts_gradient_is_the_sum_of_single_ones():
+    model, x = MODELS["vit"]()
+    params = list(model.parameters())
+    explainer = Explainer(model)
+    readouts = torch.zeros(2, 2, 5, dtype=DT)
+    readouts[:, 0, 1] = 1.0
+    readouts[:, 1, 0], readouts[:, 1, 4] = 1.0, -1.0
+    both = explainer.explain_targets(x, readouts, create_graph=True)
+    combined = torch.autograd.grad(both.contribution.square().sum(), params)
+    singles = [torch.autograd.grad(explainer(x, readouts[:, t], create_graph=True).contribution.square().sum(),
+                                   params) for t in range(2)]
+    for actual, first, second in zip(combined, *singles):
+        _assert_close(actual, first + second, RTOL_GRADIENT)
+
+
+def test_bad_options_are_refused():
+    model, x = MODELS["cnn"]()
+    with pytest.raises(ValueError, match="parameter_gradient"):
+        explain(model, x, TARGET, create_graph=True, parameter_gradient="partial")
+    with pytest.raises(TypeError, match="create_graph must be a bool"):
+        explain(model, x, TARGET, create_graph="yes")
+
+
+def test_frozen_model_explains_with_create_graph():
+    """No parameter requires a gradient: the explanation still keeps its graph and sums to the logit."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3)).to(DT)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x = torch.randn(2, 3, 2, 2, dtype=DT)
+    explanation = explain(model, x, 0, create_graph=True)
+    torch.testing.assert_close(explanation.contribution.sum((1, 2)), explanation.logit, rtol=1e-10, atol=0)
