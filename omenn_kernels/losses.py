@@ -1,0 +1,171 @@
+"""Attribution losses for training: explanations matched to a reference model's.
+
+Attribution distillation trains a student to explain as its teacher does; attribution
+consistency (continual learning) keeps a model's explanations of old tasks close to
+those of a frozen copy taken before the new task. Both compare OMENN maps: the
+model's explanation is differentiable with respect to its parameters
+(``create_graph=True``), the reference's is a constant.
+
+    loss = attribution_distillation(student, teacher, images, labels)
+    (task_loss(loss.logits, labels) + weight * loss.loss).backward()
+
+The returned ``logits`` come from the explanation's own forward pass (eval semantics).
+With the default ``parameter_gradient="total"`` they are the student's output with its
+full gradient, so the task loss needs no second forward where the student's training
+forward equals its eval forward (no BatchNorm batch statistics, no active dropout or
+stochastic depth). Otherwise run the training forward for the task loss as usual.
+Explainers are kept per model (:func:`~omenn_kernels.api.explainer_for`), so a model
+is captured once, not at every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from .api import Explanation, Target, explainer_for
+from .backends.executor import ParameterGradient
+
+Distance = Literal["cosine", "mse"]
+Component = Literal["contribution", "weighted_input", "bias"]
+DISTANCES: tuple[str, ...] = ("cosine", "mse")
+COMPONENTS: tuple[str, ...] = ("contribution", "weighted_input", "bias")
+
+
+@dataclass
+class AttributionLoss:
+    """An attribution loss and what it was computed from.
+
+    Attributes:
+        loss: the scalar loss, differentiable with respect to the model's parameters.
+        logits: (B, K) the model's logits from the explanation's forward (eval
+            semantics); differentiable with ``parameter_gradient="total"``, detached
+            with ``"fixed_multipliers"``.
+        explanation: the model's explanation (differentiable).
+        reference: the reference model's explanation (detached).
+    """
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    explanation: Explanation
+    reference: Explanation
+
+
+def attribution_map(explanation: Explanation, x: torch.Tensor, component: Component) -> torch.Tensor:
+    """The (B, H, W) map of ``explanation`` that a loss compares.
+
+    ``"contribution"``: ``C``; ``"weighted_input"``: ``Σ_c C_w ⊙ X``; ``"bias"``: ``C_b``.
+    """
+    _check_choice(component, COMPONENTS, "component")
+    if component == "contribution":
+        return explanation.contribution
+    if component == "weighted_input":
+        return (explanation.weight * x).sum(1)
+    return explanation.bias
+
+
+def map_distance(maps: torch.Tensor, reference: torch.Tensor, distance: Distance) -> torch.Tensor:
+    """The batch mean of the per-image distance between two (B, H, W) maps.
+
+    ``"cosine"``: ``1 − cos`` of the flattened maps, blind to their scale (a teacher's
+    logits may be larger than its student's); ``"mse"``: the mean squared difference,
+    which keeps the scale (and so how much of the logit each pixel carries).
+    """
+    _check_choice(distance, DISTANCES, "distance")
+    if maps.shape != reference.shape:
+        raise ValueError(f"the explanation maps differ in shape: {tuple(maps.shape)} and "
+                         f"{tuple(reference.shape)}")
+    if distance == "cosine":
+        return (1 - F.cosine_similarity(maps.flatten(1), reference.flatten(1), dim=1)).mean()
+    return F.mse_loss(maps, reference)
+
+
+def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(repr(c) for c in choices)}")
+
+
+def _matched(model: torch.nn.Module, reference_model: torch.nn.Module, x: torch.Tensor,
+             target: Target, distance: Distance, component: Component, backend: str,
+             reference_backend: str, parameter_gradient: ParameterGradient) -> AttributionLoss:
+    for name, module in (("model", model), ("reference model", reference_model)):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"the {name} must be a torch.nn.Module, got {type(module).__name__}")
+    if model is reference_model:
+        raise ValueError("the model and the reference model are the same object; pass a frozen "
+                         "copy (copy.deepcopy) as the reference")
+    _check_choice(distance, DISTANCES, "distance")  # before the explanations are computed
+    _check_choice(component, COMPONENTS, "component")
+    reference = explainer_for(reference_model, reference_backend)(x, target)
+    explanation = explainer_for(model, backend)(x, reference.target, create_graph=True,
+                                                parameter_gradient=parameter_gradient)
+    loss = map_distance(attribution_map(explanation, x, component),
+                        attribution_map(reference, x, component), distance)
+    return AttributionLoss(loss, explanation.logits, explanation, reference)
+
+
+def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module, x: torch.Tensor,
+                             target: Target = None, *, distance: Distance = "cosine",
+                             component: Component = "contribution", backend: str = "reference",
+                             teacher_backend: str = "reference",
+                             parameter_gradient: ParameterGradient = "total") -> AttributionLoss:
+    """How far the student's OMENN explanations are from its teacher's, as a training loss.
+
+    Args:
+        student: the model being trained (any architecture OMENN supports).
+        teacher: the model whose explanations are matched; it is not differentiated.
+        x: (B, C, H, W) images, on both models' device and dtype.
+        target: what both explain: an int class, (B,) classes, (K,) or (B, K) read-out
+            weights, or None for the teacher's predicted class.
+        distance: ``"cosine"`` (default; blind to the maps' scale) or ``"mse"``.
+        component: which map is matched: ``"contribution"`` (C), ``"weighted_input"``
+            or ``"bias"``.
+        backend: the student's backend; its explanation keeps its graph, which the fused
+            ops cannot (they run the reference rules then, with a warning).
+        teacher_backend: the teacher's backend (``"auto"`` for the fused kernels).
+        parameter_gradient: ``"total"`` or ``"fixed_multipliers"`` (see
+            :meth:`~omenn_kernels.api.Explainer.__call__`).
+
+    Returns:
+        An :class:`AttributionLoss`; its ``loss`` is differentiable with respect to the
+        student's parameters and its ``logits`` can feed the task loss (module docstring).
+
+    Raises:
+        TypeError, ValueError: a model that is not a module, the same module twice, an
+            unknown distance or component. The errors of :func:`~omenn_kernels.explain`
+            for inputs and targets.
+    """
+    return _matched(student, teacher, x, target, distance, component, backend, teacher_backend,
+                    parameter_gradient)
+
+
+def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Module, x: torch.Tensor,
+                            target: Target = None, *, distance: Distance = "mse",
+                            component: Component = "contribution", backend: str = "reference",
+                            reference_backend: str = "reference",
+                            parameter_gradient: ParameterGradient = "total") -> AttributionLoss:
+    """How far ``model``'s explanations have moved from a frozen copy's (continual learning).
+
+    Take ``reference_model = copy.deepcopy(model)`` before training on a new task and add
+    this loss on images of the old tasks, so that the model keeps explaining them as it
+    did. ``distance="mse"`` (default) keeps the maps' scale: how much of each logit
+    every pixel carries.
+
+    Args:
+        model: the model being trained.
+        reference_model: the frozen copy; it is not differentiated.
+        x: (B, C, H, W) images of the old tasks.
+        target: as in :func:`attribution_distillation`; None: the reference model's
+            predicted class.
+        distance, component, backend, parameter_gradient: as in
+            :func:`attribution_distillation`.
+        reference_backend: the reference model's backend.
+
+    Returns:
+        An :class:`AttributionLoss` (see :func:`attribution_distillation`).
+    """
+    return _matched(model, reference_model, x, target, distance, component, backend,
+                    reference_backend, parameter_gradient)
