@@ -9,6 +9,11 @@ model's explanation is differentiable with respect to its parameters
     loss = attribution_distillation(student, teacher, images, labels)
     (task_loss(loss.logits, labels) + weight * loss.loss).backward()
 
+A frozen reference model explains the same images the same way at every step, so
+its maps can be computed once and passed instead of the model (a replay buffer that
+stores explanations with its images, as in continual learning): the loss then costs
+only the model's own explanation.
+
 The returned ``logits`` come from the explanation's own forward pass (eval semantics).
 With the default ``parameter_gradient="total"`` they are the student's output with its
 full gradient, so the task loss needs no second forward where the student's training
@@ -45,13 +50,14 @@ class AttributionLoss:
             semantics); differentiable with ``parameter_gradient="total"``, detached
             with ``"fixed_multipliers"``.
         explanation: the model's explanation (differentiable).
-        reference: the reference model's explanation (detached).
+        reference: the reference model's explanation (detached), or None when stored
+            reference maps were passed.
     """
 
     loss: torch.Tensor
     logits: torch.Tensor
     explanation: Explanation
-    reference: Explanation
+    reference: Explanation | None
 
 
 def attribution_map(explanation: Explanation, x: torch.Tensor, component: Component) -> torch.Tensor:
@@ -88,26 +94,33 @@ def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
         raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(repr(c) for c in choices)}")
 
 
-def _matched(model: torch.nn.Module, reference_model: torch.nn.Module, x: torch.Tensor,
+def _matched(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Tensor, x: torch.Tensor,
              target: Target, distance: Distance, component: Component, backend: str,
              reference_backend: str, parameter_gradient: ParameterGradient) -> AttributionLoss:
-    for name, module in (("model", model), ("reference model", reference_model)):
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"the {name} must be a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(reference_model, (torch.nn.Module, torch.Tensor)):
+        raise TypeError("the reference must be a torch.nn.Module or a tensor of its stored maps, got "
+                        f"{type(reference_model).__name__}")
     if model is reference_model:
         raise ValueError("the model and the reference model are the same object; pass a frozen "
                          "copy (copy.deepcopy) as the reference")
     _check_choice(distance, DISTANCES, "distance")  # before the explanations are computed
     _check_choice(component, COMPONENTS, "component")
-    reference = explainer_for(reference_model, reference_backend)(x, target)
-    explanation = explainer_for(model, backend)(x, reference.target, create_graph=True,
+    if isinstance(reference_model, torch.Tensor):
+        if target is None:
+            raise ValueError("stored reference maps need the target they explain; pass target")
+        reference, reference_maps = None, reference_model.detach()
+    else:
+        reference = explainer_for(reference_model, reference_backend)(x, target)
+        target, reference_maps = reference.target, attribution_map(reference, x, component)
+    explanation = explainer_for(model, backend)(x, target, create_graph=True,
                                                 parameter_gradient=parameter_gradient)
-    loss = map_distance(attribution_map(explanation, x, component),
-                        attribution_map(reference, x, component), distance)
+    loss = map_distance(attribution_map(explanation, x, component), reference_maps, distance)
     return AttributionLoss(loss, explanation.logits, explanation, reference)
 
 
-def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module, x: torch.Tensor,
+def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module | torch.Tensor, x: torch.Tensor,
                              target: Target = None, *, distance: Distance = "cosine",
                              component: Component = "contribution", backend: str = "reference",
                              teacher_backend: str = "reference",
@@ -116,7 +129,9 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module,
 
     Args:
         student: the model being trained (any architecture OMENN supports).
-        teacher: the model whose explanations are matched; it is not differentiated.
+        teacher: the model whose explanations are matched (it is not differentiated),
+            or its maps of ``x`` stored earlier, (B, H, W): ``attribution_map(explain(
+            teacher, x, target), x, component)``; ``target`` must then be given.
         x: (B, C, H, W) images, on both models' device and dtype.
         target: what both explain: an int class, (B,) classes, (K,) or (B, K) read-out
             weights, or None for the teacher's predicted class.
@@ -135,14 +150,15 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module,
 
     Raises:
         TypeError, ValueError: a model that is not a module, the same module twice, an
-            unknown distance or component. The errors of :func:`~omenn_kernels.explain`
+            unknown distance or component, stored maps without a target. The errors of :func:`~omenn_kernels.explain`
             for inputs and targets.
     """
     return _matched(student, teacher, x, target, distance, component, backend, teacher_backend,
                     parameter_gradient)
 
 
-def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Module, x: torch.Tensor,
+def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Tensor,
+                            x: torch.Tensor,
                             target: Target = None, *, distance: Distance = "mse",
                             component: Component = "contribution", backend: str = "reference",
                             reference_backend: str = "reference",
@@ -156,7 +172,8 @@ def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Mo
 
     Args:
         model: the model being trained.
-        reference_model: the frozen copy; it is not differentiated.
+        reference_model: the frozen copy (it is not differentiated), or its maps of ``x``
+            stored earlier (see :func:`attribution_distillation`).
         x: (B, C, H, W) images of the old tasks.
         target: as in :func:`attribution_distillation`; None: the reference model's
             predicted class.

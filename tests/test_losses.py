@@ -7,6 +7,8 @@ gradients and losses recomputed by hand rtol 1e-9 (separate passes, rounding ~1e
   parameter gradient equals the gradient of that definition.
 * The reference model gets no gradient; the model's logits can feed a task loss
   with the model's own gradient (the shared forward).
+* Stored reference maps (a replay buffer) give the loss and gradient of the live
+  reference model.
 * Matching a copy of itself gives zero loss; after perturbing the copy, a few
   gradient steps on the loss bring the model's explanations back towards it.
 * Bad arguments are refused with errors that name them.
@@ -93,6 +95,20 @@ def test_reference_gets_no_gradient_and_logits_are_shared():
         _close(actual, expected)
 
 
+@pytest.mark.parametrize("component", ["contribution", "bias"])
+def test_stored_reference_maps_give_the_same_loss_and_gradient(component):
+    model, x = MODELS["cnn"]()
+    reference = _perturbed_copy(model)
+    params = list(model.parameters())
+    live = attribution_consistency(model, reference, x, TARGET, component=component)
+    stored = attribution_map(explain(reference, x, TARGET), x, component)
+    replayed = attribution_consistency(model, stored, x, TARGET, component=component)
+    assert replayed.reference is None
+    _close(replayed.loss, live.loss)
+    for actual, expected in zip(torch.autograd.grad(replayed.loss, params), torch.autograd.grad(live.loss, params)):
+        _close(actual, expected)
+
+
 def test_default_target_is_the_references_prediction():
     model, x = MODELS["vit"]()
     reference = _perturbed_copy(model)
@@ -132,8 +148,10 @@ def test_bad_arguments_are_refused():
         attribution_distillation(model, other, x, TARGET, component="logit")
     with pytest.raises(ValueError, match="same object"):
         attribution_consistency(model, model, x, TARGET)
-    with pytest.raises(TypeError, match="reference model must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match="reference must be a torch.nn.Module or a tensor"):
         attribution_consistency(model, "teacher.pt", x, TARGET)
+    with pytest.raises(ValueError, match="stored reference maps need the target"):
+        attribution_consistency(model, torch.zeros(2, 8, 8, dtype=DT), x)
     with pytest.raises(ValueError, match="differ in shape"):
         map_distance(torch.zeros(2, 3, 3), torch.zeros(2, 4, 4), "mse")
     explanation = Explainer(model)(x, TARGET)
