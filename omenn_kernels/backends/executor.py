@@ -5,8 +5,9 @@ in the implementation they pick for each rule (reference math or a fused op).
 
 Explanations differentiable with respect to the parameters (``parameter_gradient``):
 the parameters are bound without detaching them and the backward keeps its graph.
-With ``"total"`` the forward also runs every LIVE operation on the ``held`` values,
-which is the model's own forward of the detached input: the multipliers computed from
+With ``"total"`` the forward also runs every LIVE operation on the ``held`` values
+(unless its rule computed the held result itself, as attention does from the weights
+it holds), which is the model's own forward of the detached input: the multipliers computed from
 it are constant with respect to the input but follow the parameters, so the gradient
 of ``C`` with respect to the parameters is its total derivative. With
 ``"fixed_multipliers"`` the multipliers stay detached from the parameters too.
@@ -45,6 +46,15 @@ def _lookup_env(env: dict, arg):
     if isinstance(arg, dict):
         return {k: _lookup_env(env, v) for k, v in arg.items()}
     return arg
+
+
+def _has_held(result) -> bool:
+    """Whether every Live of a rule's result already has its held value (set by the rule)."""
+    if isinstance(result, Live):
+        return result.held is not None
+    if isinstance(result, (list, tuple)):
+        return all(_has_held(part) for part in result)
+    return True
 
 
 def _attach_held(result, held) -> None:
@@ -86,7 +96,7 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                 env[node.name] = implementation(step.rule)(node.target, *args, **kwargs)
             except RuleError as error:
                 raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
-            if track_held:
+            if track_held and not _has_held(env[node.name]):
                 _attach_held(env[node.name], node.target(*plain(args), **plain(kwargs)))
     output = env[captured.output_name]
     if not isinstance(output, Live):

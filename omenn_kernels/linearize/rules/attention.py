@@ -33,14 +33,16 @@ def attended(weights: torch.Tensor, values: Live, queries_are_tokens: bool = Tru
     """``A·V`` for constant attention weights ``A`` (…, Tq, Tk) and LIVE ``V`` (…, Tk, E).
 
     R6 (token identity) when the queries are the value tokens — computed from the
-    input and as many — else R6'.
+    input and as many — else R6'. Where ``V`` has a held value the result gets
+    ``A·held``: the model's attention output from the weights already computed.
     """
     value = torch.matmul(weights, values.value)
     if queries_are_tokens and weights.shape[-1] == weights.shape[-2]:
         ones = values.ones  # R6: token identity
     else:
         ones = renormalized(torch.matmul(weights, values.ones))  # R6'
-    return Live(value, ones)
+    held = None if values.held is None else torch.matmul(weights, values.held)
+    return Live(value, ones, held)
 
 
 def attention_weights(query, key, mask, is_causal: bool, scale, enable_gqa: bool) -> torch.Tensor:
@@ -69,7 +71,8 @@ def _sdpa(op, *args, **kwargs):
     if enable_gqa and value.value.shape[-3] != weights.shape[-3]:
         repeat = weights.shape[-3] // value.value.shape[-3]
         ones = value.ones if value.ones.shape[-3] == 1 else value.ones.repeat_interleave(repeat, dim=-3)
-        value = Live(value.value.repeat_interleave(repeat, dim=-3), ones)
+        held = None if value.held is None else value.held.repeat_interleave(repeat, dim=-3)
+        value = Live(value.value.repeat_interleave(repeat, dim=-3), ones, held)
     return attended(weights, value, queries_are_tokens=isinstance(query, (Live, Gate)))
 
 

@@ -126,12 +126,13 @@ def _swap(obj: Any, field: str) -> Any:
     return obj
 
 
-def _pair(value: Any, ones: Any) -> Any:
-    """Zip a result computed on values with the one computed on ones into Live values."""
+def _pair(value: Any, ones: Any, held: Any) -> Any:
+    """Zip results computed on values, on ones and on held values (or None) into Live values."""
     if isinstance(value, torch.Tensor):
-        return Live(value, ones)
+        return Live(value, ones, held)
     if isinstance(value, (list, tuple)):
-        return type(value)(_pair(v, o) for v, o in zip(value, ones))
+        helds = held if held is not None else [None] * len(value)
+        return type(value)(_pair(v, o, h) for v, o, h in zip(value, ones, helds))
     return value
 
 
@@ -146,10 +147,12 @@ def same_on_ones(op, *args, **kwargs):
         raise RuleError("an input-dependent tensor is used as an index or shape",
                         "R10 with CONST indices")
     # The graph is functional, so a view may copy: rule outputs need not have the
-    # original strides, which `view` requires.
+    # original strides, which `view` requires. Held values are restructured here for
+    # the same reason.
     op = _RESHAPE_FOR_VIEW.get(op, op)
     value = op(args[0].value, *args[1:], **kwargs)
-    return _pair(value, _ones_of_structure(op, args, kwargs, args[0].value, value))
+    held = None if args[0].held is None else op(args[0].held, *args[1:], **kwargs)
+    return _pair(value, _ones_of_structure(op, args, kwargs, args[0].value, value), held)
 
 
 def _getitem(op, sequence, index):
