@@ -125,9 +125,11 @@ def test_batch_norm_ones_equals_the_reference_rule(ones_channels):
     _opcheck(torch.ops.omenn.batch_norm_ones.default, (x, ones, scale, shift))
 
 
+@pytest.mark.parametrize("silent", [slice(0, 6), slice(3, 6)], ids=["one_block_receives", "two_blocks_receive"])
 @pytest.mark.parametrize("ones_features", [1, 6])
-def test_linear_ones_equals_the_reference_rule_with_gate_only_features(ones_features):
-    """Against R1 written with autograd, when two thirds of the outputs get no gradient."""
+def test_linear_ones_equals_the_reference_rule_with_gate_only_features(ones_features, silent):
+    """Against R1 written with autograd, when two thirds of the outputs get no gradient
+    (the receiving features one block, or two)."""
     x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
     ones = torch.ones(2, 5, ones_features, dtype=torch.float64, requires_grad=True)
     weight, bias = torch.randn(9, 6, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
@@ -135,7 +137,7 @@ def test_linear_ones_equals_the_reference_rule_with_gate_only_features(ones_feat
     expected_bar = ones.mean(-1, keepdim=True)
     expected = torch.nn.functional.linear(x, weight) + bias * expected_bar
     grad = torch.randn_like(value)
-    grad[..., :6] = 0  # e.g. the query and key thirds of a qkv projection
+    grad[..., silent] = 0  # e.g. the query and key thirds of a qkv projection
     grad_bar = torch.randn_like(ones_bar)
     got = torch.autograd.grad((value * grad).sum() + (ones_bar * grad_bar).sum(), [x, ones])
     want = torch.autograd.grad((expected * grad).sum() + (expected_bar * grad_bar).sum(), [x, ones])
@@ -145,23 +147,28 @@ def test_linear_ones_equals_the_reference_rule_with_gate_only_features(ones_feat
     _opcheck(torch.ops.omenn.linear_ones.default, (x, ones, weight, bias))
 
 
-def _conv_inputs(dtype=torch.float32):
-    x = torch.randn(2, 4, 9, 8, dtype=dtype, requires_grad=True)
-    ones = torch.ones(2, 1, 9, 8, dtype=dtype, requires_grad=True)
-    weight, bias = torch.randn(6, 2, 3, 3, dtype=dtype), torch.randn(6, dtype=dtype)
-    stride, padding, dilation = [2, 1], [1, 2], [1, 2]
+def _conv_inputs(dtype=torch.float32, patchify: bool = False):
+    """A strided, padded, dilated grouped convolution, or one that cuts the input into 3×3 patches."""
+    x = torch.randn(2, 4, 9, 9 if patchify else 8, dtype=dtype, requires_grad=True)
+    ones = torch.ones(2, 1, *x.shape[2:], dtype=dtype, requires_grad=True)
+    groups = 1 if patchify else 2
+    weight, bias = torch.randn(6, 4 // groups, 3, 3, dtype=dtype), torch.randn(6, dtype=dtype)
+    stride, padding, dilation = ([3, 3], [0, 0], [1, 1]) if patchify else ([2, 1], [1, 2], [1, 2])
     window_sum = torch.nn.functional.conv2d(ones.detach(), ones.new_ones(1, 1, 3, 3), None, stride,
                                             padding, dilation).float()
-    return x, ones, window_sum, weight, bias, stride, padding, dilation, 2
+    return x, ones, window_sum, weight, bias, stride, padding, dilation, groups
 
 
 def test_opcheck_conv2d_ones():
     _opcheck(torch.ops.omenn.conv2d_ones.default, _conv_inputs())
 
 
-def test_conv2d_ones_gradients_equal_the_reference_rule():
-    """Against R2 written with autograd: ``conv(x) + b·S/stopgrad(S)``."""
-    x, ones, window_sum, weight, bias, stride, padding, dilation, groups = _conv_inputs(torch.float64)
+@pytest.mark.parametrize("patchify", [False, True], ids=["general", "patchify"])
+def test_conv2d_ones_gradients_equal_the_reference_rule(patchify):
+    """Against R2 written with autograd: ``conv(x) + b·S/stopgrad(S)`` (patchifying
+    convolutions take their own input-gradient path on the CPU)."""
+    x, ones, window_sum, weight, bias, stride, padding, dilation, groups = _conv_inputs(torch.float64, patchify)
+    assert conv._is_patchify(x, weight, stride, padding, dilation, groups) == patchify
     value, ones_out = conv.conv2d_ones(x, ones, window_sum, weight, bias, stride, padding, dilation, groups)
     grad, grad_ones = torch.randn_like(value), torch.randn_like(ones_out)
     dx, dones = torch.autograd.grad((value * grad).sum() + (ones_out * grad_ones).sum(), [x, ones])
