@@ -2,8 +2,8 @@
 
 The unit of work is a chunk of the store (``batch_size`` consecutive images of the
 sorted file list). A run explains the chunks that are not yet done, one batch per
-chunk, all targets of a batch from one forward pass; a writer thread stores each
-finished chunk while the next batch is explained. Under ``torchrun`` every process
+chunk, all targets of a batch from one forward pass; a reader thread reads the next
+batch and a writer thread stores each finished chunk while a batch is explained. Under ``torchrun`` every process
 takes the chunks ``rank, rank + world, ...``, so the processes write disjoint chunks
 of one store, and each batch holds the same images as in a single-process run.
 
@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -154,6 +155,51 @@ def _open_store(config: RunConfig, signature: dict, images: ImageList, rank: int
         store = AttributionStore.open(config.out, writable=True)
         store.check_signature(signature)
     return store
+
+
+def _read_ahead(batches: Iterable, depth: int = 2) -> Iterator:
+    """Yield ``batches``, taken from their iterator on a thread up to ``depth`` batches ahead.
+
+    With no DataLoader workers this reads the next batch's images (PNG decoding and the
+    transform release the GIL) while the model explains the current one, where worker
+    processes would take whole cores from the model on a small machine; with workers it
+    only waits for them. An exception while reading is raised here; closing the
+    generator stops the thread.
+    """
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item: tuple) -> bool:
+        while not stop.is_set():
+            try:
+                slots.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for batch in batches:
+                if not put(("batch", batch)):
+                    return
+            put(("end", None))
+        except BaseException as error:  # handed to the consuming thread, which raises it
+            put(("error", error))
+
+    reader = threading.Thread(target=read, name="omenn-image-reader", daemon=True)
+    reader.start()
+    try:
+        while True:
+            kind, item = slots.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise item
+            yield item
+    finally:
+        stop.set()
+        reader.join()
 
 
 class _ChunkWriter:
@@ -305,14 +351,16 @@ def _explain_folder(config: RunConfig, rank: int, world: int) -> RunSummary:
                     desc=f"explaining (rank {rank})" if world > 1 else "explaining",
                     disable=not config.progress or rank != 0)
     writer = _ChunkWriter(store, progress)
+    batches = _read_ahead(loader)
     start = time.perf_counter()
     try:
-        for chunk, batch in zip(chunks, loader):
+        for chunk, batch in zip(chunks, batches):
             arrays, status = batch_explainer(batch, image_shape)
             writer.put(chunk, arrays, status)
             summary.explained += int((status == EXPLAINED).sum())
             summary.failed += int((status == FAILED).sum())
     finally:
+        batches.close()
         writer.close()
         progress.close()
     summary.seconds = time.perf_counter() - start

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from PIL import Image
 from omenn_kernels import Explainer
 from omenn_kernels.bulk import AttributionStore, RunConfig, StoreMismatchError, explain_folder, list_images
 from omenn_kernels.bulk.model_source import load_model
+from omenn_kernels.bulk.run import _read_ahead
 from omenn_kernels.bulk.store import EXPLAINED, FAILED, PENDING
 from omenn_kernels.bulk.targets import NO_CLASS
 
@@ -148,3 +150,20 @@ def test_bad_options(parts_folder, tmp_path):
     with pytest.raises(ValueError, match="needs weights"):
         explain_folder(_config(parts_folder, tmp_path / "d", model="resnet18"))
     assert not any(tmp_path.iterdir())
+
+
+def test_read_ahead_keeps_order_raises_reading_errors_and_stops_on_close():
+    assert list(_read_ahead(iter(range(7)), depth=2)) == list(range(7))
+
+    def failing():
+        yield 0
+        raise OSError("disk gone")
+    reading = _read_ahead(failing())
+    assert next(reading) == 0
+    with pytest.raises(OSError, match="disk gone"):
+        next(reading)
+
+    endless = _read_ahead(iter(int, 1), depth=2)  # never ends by itself
+    assert next(endless) == 0
+    endless.close()
+    assert not any(t.name == "omenn-image-reader" and t.is_alive() for t in threading.enumerate())
