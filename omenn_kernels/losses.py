@@ -123,7 +123,7 @@ def _matched(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Te
 def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module | torch.Tensor, x: torch.Tensor,
                              target: Target = None, *, distance: Distance = "cosine",
                              component: Component = "contribution", backend: str = "reference",
-                             teacher_backend: str = "reference",
+                             teacher_backend: str = "auto",
                              parameter_gradient: ParameterGradient = "total") -> AttributionLoss:
     """How far the student's OMENN explanations are from its teacher's, as a training loss.
 
@@ -140,7 +140,8 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module 
             or ``"bias"``.
         backend: the student's backend; its explanation keeps its graph, which the fused
             ops cannot (they run the reference rules then, with a warning).
-        teacher_backend: the teacher's backend (``"auto"`` for the fused kernels).
+        teacher_backend: the teacher's backend; its explanation is first-order, so the
+            fused kernels (``"auto"``) apply.
         parameter_gradient: ``"total"`` or ``"fixed_multipliers"`` (see
             :meth:`~omenn_kernels.api.Explainer.__call__`).
 
@@ -161,7 +162,7 @@ def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Mo
                             x: torch.Tensor,
                             target: Target = None, *, distance: Distance = "mse",
                             component: Component = "contribution", backend: str = "reference",
-                            reference_backend: str = "reference",
+                            reference_backend: str = "auto",
                             parameter_gradient: ParameterGradient = "total") -> AttributionLoss:
     """How far ``model``'s explanations have moved from a frozen copy's (continual learning).
 
@@ -179,7 +180,7 @@ def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Mo
             predicted class.
         distance, component, backend, parameter_gradient: as in
             :func:`attribution_distillation`.
-        reference_backend: the reference model's backend.
+        reference_backend: the reference model's backend (``"auto"``: the fused kernels).
 
     Returns:
         An :class:`AttributionLoss` (see :func:`attribution_distillation`).

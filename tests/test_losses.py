@@ -36,9 +36,18 @@ RTOL = 1e-9
 TARGET = torch.tensor([1, 3])
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual.detach(), expected.detach(), rtol=RTOL,
-                               atol=RTOL * float(expected.detach().abs().max()))
+def _close(actual: torch.Tensor, expected: torch.Tensor, scale: float | None = None) -> None:
+    """Equal to rtol 1e-9, with the absolute tolerance at that fraction of ``scale``
+    (default: the largest expected value; for a gradient, pass its largest over all
+    parameters, so that one that is 0 up to rounding compares at the right scale)."""
+    scale = float(expected.detach().abs().max()) if scale is None else scale
+    torch.testing.assert_close(actual.detach(), expected.detach(), rtol=RTOL, atol=RTOL * scale)
+
+
+def _close_gradients(actual: tuple[torch.Tensor, ...], expected: tuple[torch.Tensor, ...]) -> None:
+    scale = max(float(e.abs().max()) for e in expected)
+    for a, e in zip(actual, expected):
+        _close(a, e, scale)
 
 
 def _perturbed_copy(model: torch.nn.Module, seed: int = 5, scale: float = 0.3) -> torch.nn.Module:
@@ -69,10 +78,8 @@ def test_loss_is_its_definition_with_its_gradient(distance, component):
         expected = ((maps[0] - maps[1]) ** 2).mean()
     _close(result.loss, expected)
     # Some parameters (the head's bias) do not reach C_w: their gradient is zero.
-    actual = torch.autograd.grad(result.loss, params, allow_unused=True, materialize_grads=True)
-    wanted = torch.autograd.grad(expected, params, allow_unused=True, materialize_grads=True)
-    for a, w in zip(actual, wanted):
-        _close(a, w)
+    _close_gradients(torch.autograd.grad(result.loss, params, allow_unused=True, materialize_grads=True),
+                     torch.autograd.grad(expected, params, allow_unused=True, materialize_grads=True))
 
 
 def test_reference_gets_no_gradient_and_logits_are_shared():
@@ -91,8 +98,7 @@ def test_reference_gets_no_gradient_and_logits_are_shared():
         own_task = F.cross_entropy(model(x), TARGET)
     fresh = attribution_consistency(model, reference, x, TARGET)
     (own_task + fresh.loss).backward()
-    for actual, expected in zip(shared, (p.grad for p in model.parameters())):
-        _close(actual, expected)
+    _close_gradients(tuple(shared), tuple(p.grad for p in model.parameters()))
 
 
 @pytest.mark.parametrize("component", ["contribution", "bias"])
@@ -105,8 +111,7 @@ def test_stored_reference_maps_give_the_same_loss_and_gradient(component):
     replayed = attribution_consistency(model, stored, x, TARGET, component=component)
     assert replayed.reference is None
     _close(replayed.loss, live.loss)
-    for actual, expected in zip(torch.autograd.grad(replayed.loss, params), torch.autograd.grad(live.loss, params)):
-        _close(actual, expected)
+    _close_gradients(torch.autograd.grad(replayed.loss, params), torch.autograd.grad(live.loss, params))
 
 
 def test_default_target_is_the_references_prediction():

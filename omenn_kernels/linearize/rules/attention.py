@@ -29,6 +29,29 @@ from ..values import Gate, Live, plain, renormalized
 aten = torch.ops.aten
 
 
+class _WeightedSum(torch.autograd.Function):
+    """``A·V`` for the linearized network: a gradient for ``V`` only, ``dV = (dYᵀ·A)ᵀ``.
+
+    ``A`` gets none. The explanation never needs it: ``C`` depends on ``A`` through ``dV``
+    alone (the backward keeps ``A``'s graph, so explanations differentiated with respect
+    to the parameters still reach it), and a Python backward cannot tell whether the
+    caller asked for ``A``'s gradient, so computing it would cost a T×T product in every
+    backward. ``(dYᵀ·A)ᵀ`` equals ``Aᵀ·dY``; written so, its derivative with respect to
+    ``A`` is the contiguous ``dY·dV'ᵀ`` rather than a transposed product, which the
+    softmax's backward would first copy.
+    """
+
+    @staticmethod
+    def forward(ctx, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weights)
+        return torch.matmul(weights, values)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        (weights,) = ctx.saved_tensors
+        return None, torch.matmul(grad.transpose(-2, -1), weights).transpose(-2, -1)
+
+
 def attended(weights: torch.Tensor, values: Live, queries_are_tokens: bool = True) -> Live:
     """``A·V`` for constant attention weights ``A`` (…, Tq, Tk) and LIVE ``V`` (…, Tk, E).
 
@@ -36,7 +59,7 @@ def attended(weights: torch.Tensor, values: Live, queries_are_tokens: bool = Tru
     input and as many — else R6'. Where ``V`` has a held value the result gets
     ``A·held``: the model's attention output from the weights already computed.
     """
-    value = torch.matmul(weights, values.value)
+    value = _WeightedSum.apply(weights, values.value)
     if queries_are_tokens and weights.shape[-1] == weights.shape[-2]:
         ones = values.ones  # R6: token identity
     else:
@@ -51,7 +74,7 @@ def attention_weights(query, key, mask, is_causal: bool, scale, enable_gqa: bool
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    scores = torch.matmul(query * scale, key.transpose(-2, -1))  # scaling Q: T·d products, not T·T
     if is_causal:
         causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
