@@ -51,6 +51,8 @@ def table(path: str) -> str:
         groups[bench["group"]][variant] = (
             bench["stats"]["median"], bench.get("extra_info", {}).get("peak_memory_bytes"))
         extra[bench["group"]][variant] = bench.get("extra_info", {})
+    if machine.get("cuda"):  # the GPU the benchmarks ran on (CPU-only results record cuda: false)
+        cpu = f"{machine.get('device', '?')} (host CPU {cpu})"
     lines = [f"Machine: {cpu}, {machine.get('torch_threads', '?')} threads, torch {machine.get('torch')}, "
              f"triton {machine.get('triton', '?')}, {machine.get('date', '?')} (`{path}`)", ""]
     for group, results in groups.items():

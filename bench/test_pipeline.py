@@ -19,6 +19,12 @@ alone (the run's own ``RunSummary.images_per_second``, median over rounds). The
 preloaded variant explains the same tensors (the pipeline's transform, its batches, its
 predicted-class read-out) with an Explainer captured before timing, and converts the
 results to numpy as the store holds them, without writing them.
+
+With CUDA, ``explain_folder`` runs with ``device="cuda"`` (PNG decoding and the store stay
+on the CPU; the DataLoader pins its batches) and 4 DataLoader workers are added; the
+preloaded variant's batches are on the GPU before timing and its results are copied
+back to the host inside the timed call. The timed functions synchronize; ``extra_info``
+names the device (the GPU, or the CPU's model).
 """
 
 from __future__ import annotations
@@ -39,7 +45,10 @@ from omenn_kernels.bulk.model_source import load_model
 from omenn_kernels.bulk.run import RunConfig, RunSummary, explain_folder
 from omenn_kernels.bulk.targets import parse_targets, readout_weights
 from omenn_kernels.evaluation.parts_dataset import PartsDataset
+from omenn_kernels.models.train import cpu_model
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+WORKERS = [0, 1, 2, 4] if DEVICE == "cuda" else [0, 1, 2]
 IMAGES = 256
 BATCH = 32
 MODEL = "parts_vit"
@@ -62,7 +71,13 @@ def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _record(benchmark: BenchmarkFixture, workers: int | None) -> None:
     benchmark.group = GROUP
-    benchmark.extra_info.update(images=IMAGES, workers=workers)
+    benchmark.extra_info.update(images=IMAGES, workers=workers,
+                                device=torch.cuda.get_device_name() if DEVICE == "cuda" else cpu_model())
+
+
+def _synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def _record_throughput(benchmark: BenchmarkFixture,
@@ -75,7 +90,7 @@ def _record_throughput(benchmark: BenchmarkFixture,
         benchmark.extra_info["loop_images_per_second"] = statistics.median(loop_images_per_second)
 
 
-@pytest.mark.parametrize("workers", [0, 1, 2], ids=lambda w: f"folder_workers{w}")
+@pytest.mark.parametrize("workers", WORKERS, ids=lambda w: f"folder_workers{w}")
 def test_pipeline_folder(benchmark: BenchmarkFixture, image_folder: Path, tmp_path: Path,
                          workers: int) -> None:
     stores = (tmp_path / f"store{round_}" for round_ in itertools.count())
@@ -84,10 +99,11 @@ def test_pipeline_folder(benchmark: BenchmarkFixture, image_folder: Path, tmp_pa
     def fresh_config() -> tuple[tuple[RunConfig], dict]:
         # Untimed: a new store path per round, so that no round resumes a finished store.
         return (RunConfig(image_folder, next(stores), model=MODEL, targets="predicted", batch_size=BATCH,
-                          backend="fused", workers=workers, progress=False),), {}
+                          backend="fused", device=DEVICE, workers=workers, progress=False),), {}
 
     def run(config: RunConfig) -> None:
         summaries.append(explain_folder(config))
+        _synchronize()
 
     _record(benchmark, workers)
     benchmark.pedantic(run, setup=fresh_config, rounds=3, warmup_rounds=1)
@@ -104,8 +120,9 @@ def test_pipeline_preloaded(benchmark: BenchmarkFixture, image_folder: Path) -> 
     for path in images.paths:
         with Image.open(image_folder / path) as image:
             tensors.append(transform(image.convert("RGB")))
-    batches = torch.stack(tensors).split(BATCH)  # the pipeline's chunks: consecutive images in list order
-    explainer = Explainer(loaded.model, backend="fused")
+    # The pipeline's chunks: consecutive images in list order.
+    batches = torch.stack(tensors).to(DEVICE).split(BATCH)
+    explainer = Explainer(loaded.model.to(DEVICE), backend="fused")
     _, classes = explainer.program(batches[0])
     spec = parse_targets("predicted")
 
@@ -116,9 +133,10 @@ def test_pipeline_preloaded(benchmark: BenchmarkFixture, image_folder: Path) -> 
         for x in batches:
             e = explainer.explain_targets(x, readouts)
             # What the store holds: float16 contributions, float32 read-outs and logits.
-            e.contribution.float().numpy().astype(np.float16)
-            e.logit.float().numpy()
-            e.logits.float().numpy()
+            e.contribution.float().cpu().numpy().astype(np.float16)
+            e.logit.float().cpu().numpy()
+            e.logits.float().cpu().numpy()
+        _synchronize()
 
     _record(benchmark, None)
     benchmark.pedantic(run, rounds=3, warmup_rounds=1)

@@ -16,6 +16,10 @@ randomly initialized timm resnet50 (batch 8 of 224×224 noise, biases and BatchN
 statistics randomized). Targets are classes 0..9, as one-hot read-outs. Both variants of
 a (model, backend) use the same Explainer, captured before timing. resnet50 takes
 about 4½ of the run's 6 minutes on 2 CPU cores; ``-k "not resnet50"`` leaves it out.
+
+With CUDA the same workloads (float32, same batches and inputs) run on the GPU: models,
+images and read-outs on the device, the timed function synchronizes, 10 rounds instead
+of 3; ``extra_info`` names the device (the GPU, or the CPU's model).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from omenn_kernels.models import load_pretrained
 from omenn_kernels.models.train import cpu_model
 from omenn_kernels.testing import randomize_
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROUNDS = 10 if DEVICE == "cuda" else 3
 TARGETS = 10
 MODELS = ["parts_vit", "parts_cnn", "resnet50"]
 BACKENDS = ["fused", "reference"]
@@ -53,10 +59,11 @@ def workload(request: pytest.FixtureRequest) -> Workload:
     if request.param == "resnet50":
         torch.manual_seed(0)
         model = randomize_(timm.create_model("resnet50", pretrained=False)).eval()
-        return Workload("resnet50", model, torch.randn(8, 3, 224, 224))
+        # Drawn on the CPU, so that both devices explain the same noise.
+        return Workload("resnet50", model.to(DEVICE), torch.randn(8, 3, 224, 224).to(DEVICE))
     images = PartsDataset("test", 32)
     x = torch.stack([images[i]["image"] for i in range(len(images))])
-    return Workload(request.param, load_pretrained(request.param), x)
+    return Workload(request.param, load_pretrained(request.param).to(DEVICE), x.to(DEVICE))
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -72,17 +79,24 @@ def test_targets(benchmark: BenchmarkFixture, workload: Workload, explainer: Exp
     x = workload.x
     _, classes = explainer.program(x)
     if variant == "shared":
-        readouts = torch.eye(classes)[:TARGETS].repeat(x.shape[0], 1, 1)  # (B, T, K) one-hot rows
+        # (B, T, K) one-hot rows
+        readouts = torch.eye(classes, device=x.device)[:TARGETS].repeat(x.shape[0], 1, 1)
 
-        def run() -> None:
+        def call() -> None:
             explainer.explain_targets(x, readouts)
     else:
-        def run() -> None:
+        def call() -> None:
             for target in range(TARGETS):
                 explainer(x, target=target)
 
+    def run() -> None:
+        call()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+
     benchmark.group = f"targets-{workload.name}-{explainer.backend}"
     benchmark.extra_info.update(model=workload.name, backend=explainer.backend, batch=x.shape[0], K=TARGETS,
-                                cpu=cpu_model(), torch=torch.__version__,
-                                date=datetime.date.today().isoformat())
-    benchmark.pedantic(run, rounds=3, warmup_rounds=1)
+                                cpu=cpu_model(),
+                                device=torch.cuda.get_device_name() if DEVICE == "cuda" else cpu_model(),
+                                torch=torch.__version__, date=datetime.date.today().isoformat())
+    benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=1)
