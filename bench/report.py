@@ -4,7 +4,8 @@
 
 End-to-end groups get each method's median time and peak memory, each also as a
 ratio to input × gradient; target groups (``targets-*``) the median of the shared and
-the separate explanations and their ratio; pipeline groups (``pipeline-*``) each
+the separate explanations and their ratio; training groups (``training-*``) each step's
+median and its ratio to the plain step; pipeline groups (``pipeline-*``) each
 variant's images/s as a percentage of the preloaded one; kernel groups the median of
 each variant.
 """
@@ -61,6 +62,11 @@ def table(path: str) -> str:
             shared = results["shared"][0]
             lines += [f"| {group} | median | ÷ shared |", "|---|---|---|"]
             lines += [f"| {variant} | {median * 1e3:.1f} ms | {median / shared:.2f} |"
+                      for variant, (median, _) in results.items()]
+        elif group.startswith("training-") and "plain" in results:
+            plain = results["plain"][0]
+            lines += [f"| {group} | median | ÷ plain step |", "|---|---|---|"]
+            lines += [f"| {variant} | {median * 1e3:.1f} ms | {median / plain:.2f} |"
                       for variant, (median, _) in results.items()]
         elif group.startswith("pipeline-"):
             lines += _pipeline_rows(group, results, extra[group])
