@@ -59,12 +59,27 @@ def test_fused_under_autocast_follows_the_reference(name, dtype):
     assert _relative(fused.logit.float(), reference.logit.float()) <= 2e-2
 
 
-def test_auto_backend_is_the_fused_one():
+def test_auto_backend_is_the_fused_one_on_the_cpu():
     model = randomize_(FAMILIES["cnn"].build()).double().eval()
     x = torch.randn(1, 3, 32, 32, dtype=torch.float64)
     auto = explain(model, x, 1, backend="auto")
     fused = explain(model, x, 1, backend="fused")
     assert torch.equal(auto.contribution, fused.contribution)
+
+
+def test_auto_backend_runs_the_reference_off_the_cpu(monkeypatch):
+    """On CUDA (any device but the CPU) ``auto`` is the reference, the faster one measured there.
+
+    The choice is made from the input's device alone; a meta tensor stands for a GPU one.
+    """
+    from omenn_kernels import backends
+
+    ran = []
+    monkeypatch.setattr(backends.reference, "explain_batch", lambda *args: ran.append("reference"))
+    monkeypatch.setattr(backends.fused, "explain_batch", lambda *args: ran.append("fused"))
+    backends.resolve("auto")(None, None, torch.empty(1, 3, 4, 4, device="meta"), None)
+    backends.resolve("auto")(None, None, torch.empty(1, 3, 4, 4), None)
+    assert ran == ["reference", "fused"]
 
 
 def test_fused_backend_runs_the_fused_ops(monkeypatch):
@@ -205,9 +220,18 @@ def test_attention_op_gives_only_dv_equal_to_weights_transposed_times_grad():
     torch.testing.assert_close(dv, weights.transpose(-2, -1) @ grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def full_float32_on_cuda():
+    """cuDNN and cuBLAS in full float32 (no TF32), so that differences are the kernels', not rounding's."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["cnn", "vit", "convnext", "efficientnet", "swin"])
-def test_fused_on_cuda_equals_reference(name):
+def test_fused_on_cuda_equals_reference(name, full_float32_on_cuda):
     family = FAMILIES[name]
     torch.manual_seed(4)
     model = randomize_(family.build(), seed=4).cuda().eval()

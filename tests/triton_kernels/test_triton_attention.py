@@ -222,7 +222,9 @@ def test_forward_matches_sdpa(bias_kind):
         keep[..., 0] = True
         bias = keep.to(DEVICE)
     out, lse = attention_forward(q, k, v, bias=bias, block_m=16, block_n=16)
-    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    # PyTorch's CUDA attention kernels refuse (or misread) the padded views: give them copies.
+    ref = F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                         attn_mask=bias.contiguous())
     assert _rel_err(out, ref) <= 1e-5
 
 
@@ -260,10 +262,10 @@ def test_gpu_bf16_vit_sizes(T, bias_kind):
     B, H, D, dtype = 8, 12, 64, torch.bfloat16
     q, k, v, g, bias, out, lse, dv = _run_and_check(B, H, T, T, D, D, dtype, bias_kind, seed=T)
     # against PyTorch's own SDPA forward and full backward (its dV)
-    mask = None if bias is None else bias.to(dtype)
-    v_req = v.detach().clone().requires_grad_(True)
-    ref = F.scaled_dot_product_attention(q, k, v_req, attn_mask=mask)
-    ref.backward(g)
+    mask = None if bias is None else bias.to(dtype).contiguous()
+    v_req = v.detach().contiguous().requires_grad_(True)  # contiguous copies, as above
+    ref = F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v_req, attn_mask=mask)
+    ref.backward(g.contiguous())
     assert _rel_err(out, ref.detach()) <= TOL[dtype]
     assert _rel_err(dv, v_req.grad) <= TOL[dtype]
 
