@@ -60,22 +60,28 @@ def _directions(params: list[torch.Tensor], seed: int) -> list[tuple[str, list[t
     return alone + [("all parameters", full)]
 
 
-@pytest.mark.parametrize("family", sorted(MODELS))
-def test_total_gradient_matches_finite_differences(family):
+def _directional_derivatives(family: str, parameter_gradient: str, directions: slice = slice(None)):
+    """Per direction of :func:`_directions`: (name, autograd's derivative along it, the central
+    finite difference, the size of the gradient along it)."""
     model, x = MODELS[family]()
     target = torch.tensor([1, 3])
     weights = _loss_weights(x, seed=1)
     explainer = Explainer(model)
     params = list(model.parameters())
 
-    explanation = explainer(x, target, create_graph=True, parameter_gradient="total")
+    explanation = explainer(x, target, create_graph=True, parameter_gradient=parameter_gradient)
     gradient = torch.autograd.grad(_attribution_loss(explanation, weights), params)
-
-    for name, direction in _directions(params, seed=2):
+    for name, direction in _directions(params, seed=2)[directions]:
         analytic = sum(float((g * v).sum()) for g, v in zip(gradient, direction))
         numeric = (_shifted_loss(explainer, x, target, weights, params, direction, STEP)
                    - _shifted_loss(explainer, x, target, weights, params, direction, -STEP)) / (2 * STEP)
-        scale = max(abs(numeric), 1e-3 * sum(float(g.norm() * v.norm()) for g, v in zip(gradient, direction)))
+        yield name, analytic, numeric, sum(float(g.norm() * v.norm()) for g, v in zip(gradient, direction))
+
+
+@pytest.mark.parametrize("family", sorted(MODELS))
+def test_total_gradient_matches_finite_differences(family):
+    for name, analytic, numeric, size in _directional_derivatives(family, "total"):
+        scale = max(abs(numeric), 1e-3 * size)
         assert abs(analytic - numeric) <= RTOL * scale, (
             f"{family}, {name}: autograd {analytic:.12g}, finite differences {numeric:.12g}")
 
@@ -83,16 +89,5 @@ def test_total_gradient_matches_finite_differences(family):
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_fixed_multipliers_differ_from_finite_differences(family):
     """The surrogate holds the multipliers fixed in θ: not the total derivative (so the test above can fail)."""
-    model, x = MODELS[family]()
-    target = torch.tensor([1, 3])
-    weights = _loss_weights(x, seed=1)
-    explainer = Explainer(model)
-    params = list(model.parameters())
-
-    explanation = explainer(x, target, create_graph=True, parameter_gradient="fixed_multipliers")
-    gradient = torch.autograd.grad(_attribution_loss(explanation, weights), params)
-    _, direction = _directions(params, seed=2)[-1]
-    analytic = sum(float((g * v).sum()) for g, v in zip(gradient, direction))
-    numeric = (_shifted_loss(explainer, x, target, weights, params, direction, STEP)
-               - _shifted_loss(explainer, x, target, weights, params, direction, -STEP)) / (2 * STEP)
+    ((_, analytic, numeric, _),) = _directional_derivatives(family, "fixed_multipliers", slice(-1, None))
     assert abs(analytic - numeric) > 1e-3 * abs(numeric)

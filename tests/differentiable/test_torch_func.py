@@ -373,20 +373,16 @@ def test_first_order_matches_library(model_name: str) -> None:
     assert model.training == (model_name == "cnn")  # the flag of the train-mode model is kept
 
 
+@pytest.mark.parametrize("parameter_gradient, detach_multipliers",
+                         [("total", False), ("fixed_multipliers", True)])
 @pytest.mark.parametrize("model_name", MODELS)
-def test_total_parameter_gradient_matches_torch_func(model_name: str) -> None:
+def test_parameter_gradient_matches_torch_func(model_name: str, parameter_gradient: str,
+                                               detach_multipliers: bool) -> None:
+    """"total" against the multipliers recomputed at θ; "fixed_multipliers" against them detached."""
     model, x = make_model(model_name), make_input()
     r = make_loss_weights(x)
-    assert_gradients_equal(library_parameter_gradient(model, x, r, "total"),
-                           independent_parameter_gradient(model, x, r, detach_multipliers=False))
-
-
-@pytest.mark.parametrize("model_name", MODELS)
-def test_fixed_multiplier_parameter_gradient_matches_torch_func(model_name: str) -> None:
-    model, x = make_model(model_name), make_input()
-    r = make_loss_weights(x)
-    assert_gradients_equal(library_parameter_gradient(model, x, r, "fixed_multipliers"),
-                           independent_parameter_gradient(model, x, r, detach_multipliers=True))
+    assert_gradients_equal(library_parameter_gradient(model, x, r, parameter_gradient),
+                           independent_parameter_gradient(model, x, r, detach_multipliers=detach_multipliers))
 
 
 @pytest.mark.parametrize("model_name", MODELS)
