@@ -3,13 +3,8 @@
 Target: end-to-end images/s of ``explain_folder`` (PNG decoding, transform, DataLoader,
 explanation, zarr store) is ≥ 80 % of OMENN's on the same images preloaded as tensors.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=. python -m pytest bench/test_targets.py bench/test_pipeline.py \
-        -p no:cacheprovider --benchmark-json bench/results/bulk_cpu.json
-    python bench/report.py bench/results/bulk_cpu.json
-
-On a CPU shared with other processes, pin torch to one thread (``OMP_NUM_THREADS=1``): two
-threads on two busy cores stall each other at every operation (``bulk_cpu.json`` was
-measured so, on 2 cores).
+It runs with ``bench/test_targets.py``, into ``bench/results/bulk_cpu.json``; the command
+and why it pins torch to one thread are in that module's docstring.
 
 256 parts test images, written once as 96×96 PNGs in an ImageFolder tree; parts_vit,
 batch 32, the fused backend, the predicted class. ``explain_folder`` runs with 0, 1 and
@@ -44,7 +39,7 @@ from omenn_kernels.bulk.images import list_images
 from omenn_kernels.bulk.model_source import load_model
 from omenn_kernels.bulk.run import RunConfig, RunSummary, explain_folder
 from omenn_kernels.bulk.targets import parse_targets, readout_weights
-from omenn_kernels.evaluation.parts_dataset import PartsDataset
+from omenn_kernels.demo import draw_images
 from omenn_kernels.models.train import cpu_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,13 +54,7 @@ GROUP = f"pipeline-{MODEL}"
 def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``IMAGES`` parts test images as ``<label:02d>/<index:04d>.png``."""
     root = tmp_path_factory.mktemp("parts_images")
-    dataset = PartsDataset("test", IMAGES)
-    for index in range(IMAGES):
-        sample = dataset[index]
-        pixels = (sample["image"] * 255).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 0).numpy()
-        folder = root / f"{sample['label']:02d}"
-        folder.mkdir(exist_ok=True)
-        Image.fromarray(pixels).save(folder / f"{index:04d}.png")
+    draw_images(root, IMAGES)
     return root
 
 

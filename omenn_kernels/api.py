@@ -218,18 +218,8 @@ class Explainer:
                 The fused backend has no double backward and runs the reference rules
                 then, with a warning.
         """
-        parameter_gradient = _parameter_gradient(create_graph, parameter_gradient)
-        x = _check_input(x, self.model)
-        # Explaining needs autograd, also when called under inference_mode.
-        with torch.inference_mode(False):
-            if x.is_inference():
-                x = x.clone()
-            program, classes = self.program(x)
-            readout = _readout(target, x.shape[0], classes, x.device)
-            weight, bias, logit, explained, logits = self._run(program, self.model, x, readout,
-                                                               parameter_gradient)
-            contribution = (weight * x).sum(1) + bias
-        return _kept(Explanation(contribution, weight, bias, logit, explained, logits), create_graph)
+        return self._explained(x, lambda batch, classes, device: _readout(target, batch, classes, device),
+                               create_graph, parameter_gradient)
 
     def explain_targets(self, x: torch.Tensor, readouts: Readouts, *, create_graph: bool = False,
                         parameter_gradient: ParameterGradient = "total") -> Explanation:
@@ -247,22 +237,31 @@ class Explainer:
             An :class:`Explanation` whose fields have a dimension T after the batch:
             ``contribution`` (B, T, H, W) sums to ``logit`` (B, T); ``logits`` (B, K).
         """
+        def checked(batch: int, classes: int, device: torch.device):
+            if callable(readouts):
+                return lambda logits: _multi_readout(readouts(logits), batch, classes, device)
+            return _multi_readout(readouts, batch, classes, device)
+        return self._explained(x, checked, create_graph, parameter_gradient)
+
+    def _explained(self, x: torch.Tensor, checked_target: Callable, create_graph: bool,
+                   parameter_gradient: str) -> Explanation:
+        """The explanation of ``checked_target(batch, classes, device)``, a backend target.
+
+        One or T read-outs per image: ``C_w`` is (B, C, H, W) or (B, T, C, H, W), and ``C``
+        sums it with ``X`` over the channels (dim -3) either way.
+        """
         parameter_gradient = _parameter_gradient(create_graph, parameter_gradient)
         x = _check_input(x, self.model)
+        # Explaining needs autograd, also when called under inference_mode.
         with torch.inference_mode(False):
             if x.is_inference():
                 x = x.clone()
             program, classes = self.program(x)
-            batch = x.shape[0]
-
-            if callable(readouts):
-                def target(logits: torch.Tensor) -> torch.Tensor:
-                    return _multi_readout(readouts(logits), batch, classes, x.device)
-            else:
-                target = _multi_readout(readouts, batch, classes, x.device)
+            target = checked_target(x.shape[0], classes, x.device)
             weight, bias, logit, explained, logits = self._run(program, self.model, x, target,
                                                                parameter_gradient)
-            contribution = (weight * x.unsqueeze(1)).sum(2) + bias
+            per_readout = x.reshape(x.shape[0], *([1] * (weight.dim() - x.dim())), *x.shape[1:])
+            contribution = (weight * per_readout).sum(-3) + bias
         return _kept(Explanation(contribution, weight, bias, logit, explained, logits), create_graph)
 
     def attribute(self, inputs: torch.Tensor, target: Target = None) -> torch.Tensor:

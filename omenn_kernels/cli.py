@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .errors import OmennError
-from .bulk.store import COMPONENTS, STORE_DTYPES, StoreMismatchError
+from .bulk.store import STORE_DTYPES, StoreMismatchError, check_components
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FAILED_IMAGES, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
@@ -27,10 +27,10 @@ images (recorded as failed); 130 interrupted (run again to resume)"""
 
 def _components(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in COMPONENTS]
-    if unknown or "contribution" not in names:
-        raise argparse.ArgumentTypeError(f"components must include 'contribution' and be among "
-                                         f"{', '.join(COMPONENTS)}; got {text!r}")
+    try:
+        check_components(names)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return names
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from PIL import Image
@@ -41,8 +41,8 @@ class ImageList:
         return bool(self.classes)
 
 
-def _images_in(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+def _image_files(paths: Iterable[Path]) -> list[Path]:
+    return sorted(p for p in paths if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
 
 
 def list_images(root: str | Path) -> ImageList:
@@ -56,9 +56,11 @@ def list_images(root: str | Path) -> ImageList:
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"image folder not found: {root}")
-    loose = _images_in(root)
-    class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    class_dirs = [d for d in class_dirs if any(p.suffix.lower() in IMAGE_SUFFIXES for p in d.rglob("*"))]
+    loose = _image_files(root.iterdir())
+    # Each folder is walked once: its images decide whether it is a class folder.
+    folders = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    files_of = {folder: _image_files(folder.rglob("*")) for folder in folders}
+    class_dirs = [folder for folder in folders if files_of[folder]]
     if loose and class_dirs:
         raise ValueError(f"{root} holds both images and class folders ({class_dirs[0].name}/, ...); "
                          "give a flat folder of images or one sub-folder per class")
@@ -71,7 +73,7 @@ def list_images(root: str | Path) -> ImageList:
     paths: list[str] = []
     labels: list[int] = []
     for position, folder in enumerate(class_dirs):
-        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+        files = files_of[folder]
         paths.extend(str(p.relative_to(root)) for p in files)
         labels.extend([int(folder.name) if numbered else position] * len(files))
     return ImageList(root, tuple(paths), tuple(labels), names)

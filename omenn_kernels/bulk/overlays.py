@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from ..visualize import overlay_grid, postprocess
 from .model_source import image_transform
@@ -68,8 +69,6 @@ def write_overlays(store: AttributionStore, out: str | Path, *, indices: list[in
     root = Path(source or store.attrs["source"])
     paths = store.paths()
     display = image_transform(store.attrs["data_config"], normalize=False)
-    from PIL import Image
-
     images = []
     for i in indices:
         file = root / paths[i]

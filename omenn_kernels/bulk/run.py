@@ -34,7 +34,8 @@ from .. import __version__
 from ..api import Explainer
 from .images import ImageFiles, ImageList, collate_images, list_images
 from .model_source import LoadedModel, load_model
-from .store import COMPONENTS, EXPLAINED, FAILED, STORE_DTYPES, AttributionStore
+from .store import (EXPLAINED, FAILED, STORE_DTYPES, AttributionStore, check_components,
+                    check_store_dtype)
 from .targets import NO_CLASS, TargetSpec, parse_targets, readout_weights
 
 log = logging.getLogger("omenn_kernels.bulk")
@@ -69,11 +70,8 @@ class RunConfig:
             raise ValueError(f"batch size must be ≥ 1, got {self.batch_size}")
         if self.dtype not in AUTOCAST_DTYPES:
             raise ValueError(f"dtype must be one of {list(AUTOCAST_DTYPES)}, got {self.dtype!r}")
-        if self.store_dtype not in STORE_DTYPES:
-            raise ValueError(f"store dtype must be one of {list(STORE_DTYPES)}, got {self.store_dtype!r}")
-        if "contribution" not in self.components or set(self.components) - set(COMPONENTS):
-            raise ValueError(f"components must include 'contribution' and be among {list(COMPONENTS)}; "
-                             f"got {list(self.components)}")
+        check_store_dtype(self.store_dtype)
+        check_components(self.components)
         if self.workers < 0:
             raise ValueError(f"workers must be ≥ 0, got {self.workers}")
 

@@ -49,6 +49,20 @@ class StoreMismatchError(ValueError):
     """An existing store was written by a different run configuration."""
 
 
+def check_components(components: Iterable[str]) -> None:
+    """Raise ValueError unless ``components`` include ``contribution`` and are all known."""
+    components = tuple(components)
+    if "contribution" not in components or set(components) - set(COMPONENTS):
+        raise ValueError(f"components must include 'contribution' and be among {list(COMPONENTS)}; "
+                         f"got {list(components)}")
+
+
+def check_store_dtype(store_dtype: str) -> None:
+    """Raise ValueError unless ``store_dtype`` is one a store can hold."""
+    if store_dtype not in STORE_DTYPES:
+        raise ValueError(f"store dtype must be one of {list(STORE_DTYPES)}, got {store_dtype!r}")
+
+
 def paths_digest(paths: Iterable[str]) -> str:
     """sha256 of the image list, in order."""
     digest = hashlib.sha256()
@@ -75,12 +89,8 @@ class AttributionStore:
         path = Path(path)
         if path.exists():
             raise FileExistsError(f"{path} exists; resume it or remove it first")
-        unknown = set(components) - set(COMPONENTS)
-        if "contribution" not in components or unknown:
-            raise ValueError(f"components must include 'contribution' and be among {COMPONENTS}; "
-                             f"got {components}")
-        if store_dtype not in STORE_DTYPES:
-            raise ValueError(f"store dtype must be one of {list(STORE_DTYPES)}, got {store_dtype!r}")
+        check_components(components)
+        check_store_dtype(store_dtype)
         if len(paths) != len(labels) or not paths:
             raise ValueError("the store needs one label per path and at least one image")
         n, (channels, height, width) = len(paths), image_shape

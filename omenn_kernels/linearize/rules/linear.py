@@ -66,9 +66,10 @@ def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if bool(receiving.all()):
         return grad.matmul(weight)
     features = receiving.nonzero().flatten()
-    first, count = int(features[0]) if len(features) else 0, len(features)
-    if count and int(features[-1]) - first + 1 == count:
+    count = len(features)
+    if count and int(features[-1] - features[0]) + 1 == count:
         # One block (the value third of qkv): views, where indexing would copy the gradient.
+        first = int(features[0])
         return grad.narrow(-1, first, count).matmul(weight.narrow(0, first, count))
     return grad[..., receiving].matmul(weight[receiving])
 
