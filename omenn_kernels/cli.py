@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from .cpu_memory import keep_freed_memory
 from .errors import OmennError
 from .bulk.store import STORE_DTYPES, StoreMismatchError, check_components
 
@@ -151,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``omenn`` command; returns its exit code."""
     args = _parser().parse_args(argv)
     _setup_logging(args.verbose, args.quiet)
+    if args.command == "demo" or (args.command == "explain" and args.device == "cpu"):
+        # The command owns the process: freed tensors stay mapped for the next batch.
+        log.debug("glibc keeps freed memory: %s", keep_freed_memory())
     try:
         if args.command == "demo":
             from .demo import run_demo
