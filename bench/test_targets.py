@@ -11,6 +11,11 @@ On a CPU shared with other processes, pin torch to one thread (``OMP_NUM_THREADS
 threads on two busy cores stall each other at every operation (``bulk_cpu.json`` was
 measured so, on 2 cores).
 
+For comparison, the same two variants of the model's own input gradient (``gradient``
+group: ``torch.autograd.grad`` of each target's logit with respect to the images; one
+forward and ten backward passes, or ten forwards and backwards). They show how much any
+method with one backward per target can gain from sharing the forward.
+
 Models: the shipped parts_vit and parts_cnn (batch 32 of 96×96 parts test images) and a
 randomly initialized timm resnet50 (batch 8 of 224×224 noise, biases and BatchNorm
 statistics randomized). Targets are classes 0..9, as one-hot read-outs. Both variants of
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 import timm
@@ -58,12 +64,13 @@ class Workload:
 def workload(request: pytest.FixtureRequest) -> Workload:
     if request.param == "resnet50":
         torch.manual_seed(0)
-        model = randomize_(timm.create_model("resnet50", pretrained=False)).eval()
+        model = randomize_(timm.create_model("resnet50", pretrained=False)).eval().requires_grad_(False)
         # Drawn on the CPU, so that both devices explain the same noise.
         return Workload("resnet50", model.to(DEVICE), torch.randn(8, 3, 224, 224).to(DEVICE))
     images = PartsDataset("test", 32)
     x = torch.stack([images[i]["image"] for i in range(len(images))])
-    return Workload(request.param, load_pretrained(request.param).to(DEVICE), x.to(DEVICE))
+    model = load_pretrained(request.param).eval().requires_grad_(False)
+    return Workload(request.param, model.to(DEVICE), x.to(DEVICE))
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -89,13 +96,34 @@ def test_targets(benchmark: BenchmarkFixture, workload: Workload, explainer: Exp
             for target in range(TARGETS):
                 explainer(x, target=target)
 
+    _measure(benchmark, call, workload, explainer.backend)
+
+
+@pytest.mark.parametrize("variant", ["shared", "separate"])
+def test_gradient_targets(benchmark: BenchmarkFixture, workload: Workload, variant: str) -> None:
+    """The model's own input gradient of each of the K targets' logits."""
+    model = workload.model
+
+    def target_gradients(images: torch.Tensor, forwards: int) -> None:
+        per_forward = TARGETS // forwards
+        for first in range(0, TARGETS, per_forward):
+            x = images.detach().requires_grad_(True)
+            logits = model(x)
+            for target in range(first, first + per_forward):
+                torch.autograd.grad(logits[:, target].sum(), x, retain_graph=target + 1 < first + per_forward)
+
+    _measure(benchmark, lambda: target_gradients(workload.x, 1 if variant == "shared" else TARGETS),
+             workload, "gradient")
+
+
+def _measure(benchmark: BenchmarkFixture, call: Callable[[], None], workload: Workload, method: str) -> None:
     def run() -> None:
         call()
         if DEVICE == "cuda":
             torch.cuda.synchronize()
 
-    benchmark.group = f"targets-{workload.name}-{explainer.backend}"
-    benchmark.extra_info.update(model=workload.name, backend=explainer.backend, batch=x.shape[0], K=TARGETS,
+    benchmark.group = f"targets-{workload.name}-{method}"
+    benchmark.extra_info.update(model=workload.name, backend=method, batch=workload.x.shape[0], K=TARGETS,
                                 cpu=cpu_model(),
                                 device=torch.cuda.get_device_name() if DEVICE == "cuda" else cpu_model(),
                                 torch=torch.__version__, date=datetime.date.today().isoformat())

@@ -4,9 +4,9 @@ glibc's malloc gives large freed blocks back to the system (it unmaps them or tr
 top of the heap), so the next tensor of the same size faults its pages in again and has
 them zero-filled. An explanation allocates and frees many such tensors — a forward with
 the ones channel, then one backward per read-out — so on the CPU the page faults cost a
-large share of the time: on 2 AMD EPYC cores (1 thread) each read-out's backward of
-parts_cnn (batch 32, fused) took 47 ms with glibc's defaults and 37 ms with freed memory
-kept (``bench/results/bulk_cpu_kept_memory.json`` against ``bulk_cpu.json``).
+large share of the time. On an AMD EPYC (1 thread), ``explain_folder`` on 512 images
+with 4 targets each explained 159 instead of 135 images/s with parts_cnn and 148 instead
+of 141 with parts_vit (``bench/freed_memory.py``, fresh processes).
 
 :func:`keep_freed_memory` fixes glibc's thresholds so that freed blocks of up to
 ``MMAP_THRESHOLD`` stay in the heap for reuse. The process then keeps its peak memory

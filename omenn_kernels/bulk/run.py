@@ -47,10 +47,10 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 class RunConfig:
     """What ``omenn explain`` does; the fields mirror its options."""
 
-    source: Path
-    out: Path
+    source: str | Path
+    out: str | Path
     model: str
-    checkpoint: Path | None = None
+    checkpoint: str | Path | None = None
     pretrained: bool = False
     num_classes: int | None = None
     targets: str = "predicted"
@@ -63,6 +63,12 @@ class RunConfig:
     workers: int = 2
     overwrite: bool = False
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        # Paths may be given as strings, as everywhere else in the API.
+        self.source, self.out = Path(self.source), Path(self.out)
+        if self.checkpoint is not None:
+            self.checkpoint = Path(self.checkpoint)
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid option."""

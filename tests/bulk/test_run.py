@@ -114,7 +114,8 @@ def test_resume_redoes_only_pending_chunks(parts_folder, tmp_path):
     # An interrupted run leaves a chunk without its commit mark (status written last).
     store.group["status"][8:16] = PENDING
     store.group["contribution"][8:16] = 0.0
-    summary = explain_folder(_config(parts_folder, out, targets="top2"))
+    # Paths as strings name the same folder and store.
+    summary = explain_folder(_config(str(parts_folder), str(out), targets="top2"))
     assert (summary.explained, summary.skipped) == (8, 12)
     assert np.array_equal(AttributionStore.open(out).read("contribution"), before)
 
