@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from omenn_kernels import UnsupportedOpError, explain
 from omenn_kernels.linearize import lookup
+from omenn_kernels.linearize.rules import conv as conv_rules
 from omenn_kernels.linearize.rules.conv import convolved, receptive_ones
 from omenn_kernels.linearize.values import Live
 from rule_checks import ATOL, DT, RTOL, Headed, assert_complete, assert_sums_to_logit, gradient, randomize
@@ -87,6 +88,10 @@ CONVS = {
     "same_odd": (3, 2, 3, "same", None, 2, 1, 6, 6),
     "same_even_kernel": (3, 2, (4, 2), "same", None, (1, 3), 1, 7, 6),
     "asymmetric_padding": (2, 3, (3, 5), (1, 2), (0, 2), 1, 1, 6, 9),
+    # Whole non-overlapping patches: the value is one matrix product, S a sum per patch.
+    "patchify": (3, 4, 2, 2, 0, 1, 1, 6, 8),
+    "patchify_kernel3x2": (2, 3, (3, 2), (3, 2), 0, 1, 1, 6, 8),
+    "patchify_groups2": (4, 6, 2, 2, 0, 1, 2, 6, 6),
 }
 
 
@@ -121,7 +126,8 @@ def test_bias_spread_over_valid_receptive_field(name):
 
 
 @pytest.mark.parametrize("name", ["pad1", "stride2_dilation2_pad1_kernel4x3", "groups2",
-                                  "depthwise_multiplier2", "same_even_kernel"])
+                                  "depthwise_multiplier2", "same_even_kernel", "patchify_kernel3x2",
+                                  "patchify_groups2"])
 def test_receptive_ones_counts(name):
     conv, (kernel, stride, padding, dilation), (cin, h, w) = _conv_from(CONVS[name])
     groups = conv.groups
@@ -230,3 +236,18 @@ def test_bias_only_reached_by_padding_is_refused():
     e = explain(model, x, 0)
     assert_sums_to_logit(e, model, x, 0, rtol=1e-12)
     torch.testing.assert_close(e.bias, torch.zeros_like(e.bias), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name, patch_product", [("patchify", True), ("patchify_kernel3x2", True),
+                                                 ("patchify_groups2", False), ("stride2_pad1", False)])
+def test_patchifying_convolution_is_one_matrix_product(monkeypatch, name, patch_product):
+    """Whole non-overlapping patches (groups 1) take the matrix-product path, checked above
+    against the loop oracle; every other convolution calls the convolution."""
+    calls = []
+    product = conv_rules._patch_product
+    monkeypatch.setattr(conv_rules, "_patch_product", lambda x, w: calls.append(1) or product(x, w))
+    conv, _, (cin, h, w) = _conv_from(CONVS[name])
+    out_features = conv(torch.zeros(1, cin, h, w)).shape[1:].numel()
+    model = randomize(_conv_head(conv, out_features), seed=3, scale=0.5).double()
+    explain(model, torch.randn(2, cin, h, w, dtype=DT), 0)
+    assert bool(calls) == patch_product
