@@ -9,7 +9,11 @@ With ``"total"`` the forward also runs every LIVE operation on the ``held`` valu
 (unless its rule computed the held result itself, as attention does from the weights
 it holds), which is the model's own forward of the detached input: the multipliers computed from
 it are constant with respect to the input but follow the parameters, so the gradient
-of ``C`` with respect to the parameters is its total derivative. With
+of ``C`` with respect to the parameters is its total derivative. A program whose
+multipliers are all piecewise constant (ReLU, max pooling, eval-mode BatchNorm: no gate
+and no rule with ``held_multipliers``) skips the held forward: its multipliers do not
+change with the parameters, so the total derivative is the one with them held, and the
+linearized logits carry the model's own parameter gradient. With
 ``"fixed_multipliers"`` the multipliers stay detached from the parameters too.
 """
 
@@ -81,7 +85,7 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     """
     captured = program.captured
     env: dict[str, object] = bound_tensors(captured, model, differentiable=parameter_gradient is not None)
-    track_held = parameter_gradient == "total"
+    track_held = parameter_gradient == "total" and program.multipliers_follow_held
     env[captured.input_name] = Live(x, ones, x.detach() if track_held else None)
     for step in program.steps:
         node = step.node
@@ -134,15 +138,19 @@ def read_out(logits: torch.Tensor, target) -> tuple[torch.Tensor, torch.Tensor]:
 def _model_logits(output: Live, parameter_gradient: ParameterGradient | None) -> torch.Tensor:
     """The logits to return: the linearized forward's numbers, with the model's parameter gradient.
 
-    Only the held forward (``"total"``) is the model's own function of the parameters; the
-    linearized value's gradient holds the multipliers fixed, so it is never exposed. The
-    numbers stay the linearized forward's (equal up to rounding), so that first-order
-    results do not change with ``parameter_gradient``.
+    With ``"total"`` the held forward is the model's own function of the parameters; without
+    one (all multipliers piecewise constant) the linearized value is, since holding the
+    multipliers fixed changes nothing there. Otherwise the linearized value's gradient holds
+    the multipliers fixed, so it is never exposed. The numbers stay the linearized
+    forward's (equal up to rounding), so that first-order results do not change with
+    ``parameter_gradient``.
     """
     logits = output.value.detach()
-    if parameter_gradient == "total":
-        return output.held + (logits - output.held).detach()
-    return logits
+    if parameter_gradient != "total":
+        return logits
+    if output.held is None:
+        return output.value
+    return output.held + (logits - output.held).detach()
 
 
 def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,

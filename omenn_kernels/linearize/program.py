@@ -45,6 +45,13 @@ class LinearizedProgram:
     captured: CapturedModel
     steps: list[Step]
 
+    @property
+    def multipliers_follow_held(self) -> bool:
+        """Whether a multiplier changes smoothly with held values: a gate, or a LIVE rule
+        with ``held_multipliers`` (see :class:`~omenn_kernels.linearize.registry.Rule`)."""
+        return any(step.kind is Kind.GATE or (step.kind is Kind.LIVE and step.rule.held_multipliers)
+                   for step in self.steps)
+
 
 def _positions(user: torch.fx.Node, node: torch.fx.Node) -> set[int]:
     """Schema positions at which ``node`` is an argument of ``user`` (nested lists included)."""

@@ -40,6 +40,11 @@ class Rule:
             use of its result is an error.
         shape_only: the result depends on the shape of its input, not its values
             (``zeros_like``): it is CONST.
+        held_multipliers: the rule may compute multipliers from the held values of its
+            LIVE operands that change smoothly with them (GELU's ``ξ``, LayerNorm's
+            ``1/σ``, attention weights), so a total parameter gradient must follow them.
+            False where it reads no held value or only piecewise-constant multipliers
+            (ReLU's 0/1): a program without such rules and gates needs no held forward.
     """
 
     name: str
@@ -51,6 +56,7 @@ class Rule:
     transparent: bool = False
     live: bool = True
     shape_only: bool = False
+    held_multipliers: bool = True
 
 
 _RULES: dict[OpKey, Rule] = {}

@@ -11,6 +11,8 @@
   with the same gradients (rtol 1e-9).
 * Many read-outs per forward: the gradient of their sum is the sum of single-target
   gradients (rtol 1e-9).
+* Piecewise-constant multipliers only (ReLU, max pooling, eval BatchNorm): no held
+  forward runs, and the total gradient equals the fixed-multiplier one (rtol 1e-12).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from omenn_kernels import Explainer, explain
+from omenn_kernels.backends import executor
 from omenn_kernels.capture import eval_semantics
 from differentiable_models import DT, MODELS
 
@@ -130,3 +133,23 @@ def test_frozen_model_explains_with_create_graph():
     x = torch.randn(2, 3, 2, 2, dtype=DT)
     explanation = explain(model, x, 0, create_graph=True)
     torch.testing.assert_close(explanation.contribution.sum((1, 2)), explanation.logit, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("family, held_forward", [("relu_cnn", False), ("cnn", True), ("vit", True)])
+def test_held_forward_only_where_multipliers_follow_it(monkeypatch, family, held_forward):
+    """The held forward runs each LIVE op on plain values; it is skipped for piecewise-constant
+    multipliers, whose total gradient is then the fixed-multiplier one."""
+    model, x = MODELS[family]()
+    explainer = Explainer(model)
+    assert explainer.program(x)[0].multipliers_follow_held == held_forward
+    held_inputs = []
+    real_attach = executor._attach_held
+    monkeypatch.setattr(executor, "_attach_held",
+                        lambda result, held: held_inputs.append(1) or real_attach(result, held))
+    params = list(model.parameters())
+    total = _gradients(explainer(x, TARGET, create_graph=True), params)
+    assert bool(held_inputs) == held_forward
+    if not held_forward:
+        fixed = _gradients(explainer(x, TARGET, create_graph=True, parameter_gradient="fixed_multipliers"), params)
+        for actual, expected in zip(total, fixed):
+            _assert_close(actual, expected, RTOL_SAME)

@@ -151,10 +151,13 @@ def _fused_activation(op, *args, **kwargs):
     return Live(activation_op(x.value, *kind), x.ones)
 
 
-register([aten.relu, aten.gelu, aten.silu, aten.hardswish, aten.leaky_relu, aten.elu,
-          aten.celu, aten.selu, aten.hardtanh, aten.relu6, aten.tanh, aten.softplus, aten.mish,
-          aten.hardshrink, aten.softshrink, aten.clamp.default, aten.clamp_min.default,
-          aten.clamp_max.default, aten.log_sigmoid],
+# Piecewise-constant multipliers (0/1, or 1/slope): their derivative is zero, so they do not
+# change with the parameters.
+register([aten.relu, aten.leaky_relu, aten.hardshrink],
+         Rule("R4 elementwise activation", _activation, _fused_activation, held_multipliers=False))
+register([aten.gelu, aten.silu, aten.hardswish, aten.elu, aten.celu, aten.selu, aten.hardtanh,
+          aten.relu6, aten.tanh, aten.softplus, aten.mish, aten.softshrink, aten.clamp.default,
+          aten.clamp_min.default, aten.clamp_max.default, aten.log_sigmoid],
          Rule("R4 elementwise activation", _activation, _fused_activation))
 register([aten.sigmoid, aten.hardsigmoid],
          Rule("R4 elementwise activation / R5 gate", _activation, may_gate=True))

@@ -80,11 +80,11 @@ def _neg(op, a):
 
 
 register([aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar],
-         Rule("R7 sum / R7' constant added", _add))
-register([aten.rsub.Tensor, aten.rsub.Scalar], Rule("R7' constant minus LIVE", _rsub))
+         Rule("R7 sum / R7' constant added", _add, held_multipliers=False))
+register([aten.rsub.Tensor, aten.rsub.Scalar], Rule("R7' constant minus LIVE", _rsub, held_multipliers=False))
 register([aten.mul.Tensor, aten.mul.Scalar],
-         Rule("R8 scaled by a constant or gate", _scale, factor_args=(0, 1)))
+         Rule("R8 scaled by a constant or gate", _scale, factor_args=(0, 1), held_multipliers=False))
 register([aten.div.Tensor, aten.div.Scalar],
-         Rule("R8 divided by a constant or gate", _scale, factor_args=(1,)))
-register([aten.div.Tensor_mode], Rule("R8 divided by a constant or gate", _div_rounding))
-register([aten.neg], Rule("R8 scaled by -1", _neg))
+         Rule("R8 divided by a constant or gate", _scale, factor_args=(1,), held_multipliers=False))
+register([aten.div.Tensor_mode], Rule("R8 divided by a constant or gate", _div_rounding, held_multipliers=False))
+register([aten.neg], Rule("R8 scaled by -1", _neg, held_multipliers=False))

@@ -208,4 +208,4 @@ def _fused_conv(op, *args, **kwargs):
 
 
 register([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution],
-         Rule("R2 convolution", _conv, _fused_conv))
+         Rule("R2 convolution", _conv, _fused_conv, held_multipliers=False))

@@ -144,7 +144,7 @@ def _addmm(op, *args, **kwargs):
     return Live(alpha * product.value + beta * bias * product.ones, product.ones)
 
 
-register([aten.linear], Rule("R1 linear", _linear, _fused_linear))
+register([aten.linear], Rule("R1 linear", _linear, _fused_linear, held_multipliers=False))
 register([aten.matmul, aten.mm, aten.bmm],
-         Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1)))
-register([aten.addmm], Rule("R1 linear", _addmm))
+         Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1), held_multipliers=False))
+register([aten.addmm], Rule("R1 linear", _addmm, held_multipliers=False))

@@ -169,8 +169,9 @@ def _native_group_norm(op, *args, **kwargs):
 
 
 register([aten._native_batch_norm_legit_no_training],
-         Rule("R3 BatchNorm (eval)", _batch_norm_no_training, _fused_batch_norm_no_training))
-register([aten.batch_norm], Rule("R3 BatchNorm (eval)", _batch_norm))
+         Rule("R3 BatchNorm (eval)", _batch_norm_no_training, _fused_batch_norm_no_training,
+              held_multipliers=False))
+register([aten.batch_norm], Rule("R3 BatchNorm (eval)", _batch_norm, held_multipliers=False))
 register([aten.layer_norm, aten.native_layer_norm], Rule("R3' LayerNorm", _layer_norm))
 register([aten.rms_norm], Rule("R3' RMSNorm", _rms_norm))
 register([aten.group_norm], Rule("R3' GroupNorm", _group_norm))

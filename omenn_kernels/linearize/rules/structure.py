@@ -233,14 +233,17 @@ STRUCTURE_OPS = [
     aten.view_as, aten.reshape_as, aten.tensor_split, aten.index_select, aten.lift_fresh_copy,
     aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor,
 ]
-register(STRUCTURE_OPS, Rule("R10 structure", same_on_ones, transparent=True))
+register(STRUCTURE_OPS, Rule("R10 structure", same_on_ones, transparent=True, held_multipliers=False))
 register([aten.dropout, aten.feature_dropout, aten.alpha_dropout],
-         Rule("R10 eval-mode dropout (identity)", _eval_dropout, transparent=True))
+         Rule("R10 eval-mode dropout (identity)", _eval_dropout, transparent=True,
+              held_multipliers=False))
 register([aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.new_zeros,
           aten.new_ones, aten.new_empty, aten.new_full],
          Rule("shape only (CONST)", None, shape_only=True))
-register([aten._assert_tensor_metadata], Rule("R10 metadata check", _metadata_check, transparent=True))
-register([operator.getitem], Rule("R10 structure", _getitem, transparent=True))
-register([aten.pad, aten.constant_pad_nd], Rule("R11 zero padding", _zero_pad, transparent=True))
+register([aten._assert_tensor_metadata],
+         Rule("R10 metadata check", _metadata_check, transparent=True, held_multipliers=False))
+register([operator.getitem], Rule("R10 structure", _getitem, transparent=True, held_multipliers=False))
+register([aten.pad, aten.constant_pad_nd],
+         Rule("R11 zero padding", _zero_pad, transparent=True, held_multipliers=False))
 register([aten.cat, aten.stack, aten.concat, aten.concatenate],
-         Rule("R10/R12 join", _join, transparent=True))
+         Rule("R10/R12 join", _join, transparent=True, held_multipliers=False))
