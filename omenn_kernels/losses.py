@@ -122,7 +122,7 @@ def _matched(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Te
 
 def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module | torch.Tensor, x: torch.Tensor,
                              target: Target = None, *, distance: Distance = "cosine",
-                             component: Component = "contribution", backend: str = "reference",
+                             component: Component = "contribution", backend: str = "auto",
                              teacher_backend: str = "auto",
                              parameter_gradient: ParameterGradient = "total") -> AttributionLoss:
     """How far the student's OMENN explanations are from its teacher's, as a training loss.
@@ -138,8 +138,8 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module 
         distance: ``"cosine"`` (default; blind to the maps' scale) or ``"mse"``.
         component: which map is matched: ``"contribution"`` (C), ``"weighted_input"``
             or ``"bias"``.
-        backend: the student's backend; its explanation keeps its graph, which the fused
-            ops cannot (they run the reference rules then, with a warning).
+        backend: the student's backend (``"auto"``: the fused ops where they differentiate
+            twice, the reference rules elsewhere; see :mod:`omenn_kernels.backends.fused`).
         teacher_backend: the teacher's backend; its explanation is first-order, so the
             fused kernels (``"auto"``) apply.
         parameter_gradient: ``"total"`` or ``"fixed_multipliers"`` (see
@@ -161,7 +161,7 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module 
 def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Tensor,
                             x: torch.Tensor,
                             target: Target = None, *, distance: Distance = "mse",
-                            component: Component = "contribution", backend: str = "reference",
+                            component: Component = "contribution", backend: str = "auto",
                             reference_backend: str = "auto",
                             parameter_gradient: ParameterGradient = "total") -> AttributionLoss:
     """How far ``model``'s explanations have moved from a frozen copy's (continual learning).

@@ -5,29 +5,40 @@ attention with the ones channel) run it; the others run their reference math on
 the shared ones. CPU runs the C++ kernels of ``csrc/``, CUDA the Triton kernels of
 ``triton_kernels/``.
 
-The fused ops differentiate once: their backward kernels have no derivative of their
-own, and they give the parameters no gradient. Explanations differentiable with
-respect to the parameters therefore run every rule's reference math, still with one
-ones value per pixel, and say so with a warning.
+Explanations differentiable with respect to the parameters (``create_graph``) run the
+fused ops whose backward differentiates again (``Rule.fused_differentiable``: convolution,
+eval BatchNorm, linear, activations) and the reference math of the others, still with
+one ones value per pixel; a warning names the rules that fall back.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 
-from ..linearize.program import LinearizedProgram
+from ..linearize.program import Kind, LinearizedProgram
 from .executor import ParameterGradient, explain_with
 
 
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                   target, parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
     """``(C_w, C_b, ŷ, target, logits)`` with one ones value per pixel and fused rules."""
-    if parameter_gradient is not None:
-        warnings.warn("omenn_kernels: the fused ops have no double backward, so explanations "
-                      "differentiable with respect to the parameters (create_graph=True) run the "
-                      "reference rules on the fused backend, with one ones value per pixel",
-                      RuntimeWarning, stacklevel=4)
-        return explain_with(program, model, x, target, 1, lambda rule: rule.reference, parameter_gradient)
-    return explain_with(program, model, x, target, 1, lambda rule: rule.fused or rule.reference)
+    if parameter_gradient is None:
+        return explain_with(program, model, x, target, 1, lambda rule: rule.fused or rule.reference)
+    once_only = sorted({step.rule.name for step in program.steps
+                        if step.kind is Kind.LIVE and step.rule.fused is not None
+                        and not step.rule.fused_differentiable})
+    if once_only:
+        warnings.warn(f"omenn_kernels: the fused ops of {', '.join(once_only)} have no double backward, "
+                      "so explanations differentiable with respect to the parameters (create_graph=True) "
+                      "run their reference rules on the fused backend", RuntimeWarning, stacklevel=4)
+    # The linearized logits are the model's own only without a held forward (executor).
+    value_gradient = parameter_gradient == "total" and not program.multipliers_follow_held
+
+    def implementation(rule):
+        if rule.fused is not None and rule.fused_differentiable:
+            return functools.partial(rule.fused, value_gradient=value_gradient)
+        return rule.reference
+    return explain_with(program, model, x, target, 1, implementation, parameter_gradient)

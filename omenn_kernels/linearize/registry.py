@@ -28,6 +28,12 @@ class Rule:
         fused: the same contract, running a fused ``torch.ops.omenn`` op where it
             applies (declared next to the reference in the rule's module); None when
             the reference math is already the fast path.
+        fused_differentiable: the fused op also serves explanations differentiable with
+            respect to the parameters (``create_graph``): its backward is made of
+            differentiable operations on the parameters, and ``fused`` takes the keyword
+            ``value_gradient`` (whether the value must carry its own parameter gradient:
+            the linearized logits are then the model's). False: such explanations run
+            ``reference`` for this rule.
         factor_args: argument positions where a Gate/CONST operand only scales a
             LIVE operand (multiplications): a gate may end there.
         gate_args: argument positions consumed only through a gate (the query and
@@ -50,6 +56,7 @@ class Rule:
     name: str
     reference: Callable[..., Any] | None
     fused: Callable[..., Any] | None = None
+    fused_differentiable: bool = False
     factor_args: tuple[int, ...] = ()
     gate_args: tuple[int, ...] = ()
     may_gate: bool = False

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -99,3 +99,40 @@ def require_reached(ones: torch.Tensor) -> None:
             "ones channel), so it cannot be attributed to any pixel and the explanation would not "
             "sum to the logit; use an input size that needs no padding before this layer",
             "a bias rule for padded positions (not in the rule book)")
+
+
+class _ParameterPath(torch.autograd.Function):
+    """Zeros of a value's shape whose backward gives parameters that value's gradient."""
+
+    @staticmethod
+    def forward(ctx, gradients, shape, *parameters):
+        ctx.gradients = gradients
+        return parameters[0].new_zeros(()).expand(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, *ctx.gradients(grad)
+
+
+class _Joined(torch.autograd.Function):
+    """``value`` itself, its gradient passed on both to it and to a parameter path."""
+
+    @staticmethod
+    def forward(ctx, value, _parameter_path):
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad
+
+
+def with_parameter_gradient(value: torch.Tensor, parameters: tuple[torch.Tensor, ...],
+                            gradients: Callable[[torch.Tensor], tuple]) -> torch.Tensor:
+    """``value``, also differentiable with respect to ``parameters`` through ``gradients(grad)``.
+
+    A fused op's backward cannot tell which of its inputs the caller wants a gradient
+    for; the parameters' gradient on a node of its own is computed only where they are
+    asked for (the logits' gradient), not in an explanation's backward, which asks for
+    the input's and the ones' alone.
+    """
+    return _Joined.apply(value, _ParameterPath.apply(gradients, value.shape, *parameters))

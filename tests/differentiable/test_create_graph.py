@@ -7,8 +7,9 @@
   (BatchNorm statistics included), ``training`` and ``requires_grad`` flags are
   bitwise the same; only ``.grad`` is filled, for the optimizer.
 * With ``"total"`` the returned logits are the model's own output with its own gradient.
-* The fused backend has no double backward: it warns and runs the reference rules,
-  with the same gradients (rtol 1e-9).
+* The fused backend differentiates its ops twice (all but attention, which falls back to
+  the reference with a warning), with the reference's gradients (rtol 1e-9); its backward
+  runs once per explanation, and the parameters' gradient of its values only for the logits.
 * Many read-outs per forward: the gradient of their sum is the sum of single-target
   gradients (rtol 1e-9).
 * Piecewise-constant multipliers only (ReLU, max pooling, eval BatchNorm): no held
@@ -17,6 +18,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -24,6 +27,8 @@ from torch import nn
 from omenn_kernels import Explainer, explain
 from omenn_kernels.backends import executor
 from omenn_kernels.capture import eval_semantics
+from omenn_kernels.linearize import values
+from omenn_kernels.linearize.rules import conv
 from differentiable_models import DT, MODELS
 
 RTOL_SAME = 1e-12
@@ -35,8 +40,12 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> 
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * float(expected.abs().max()))
 
 
-def _gradients(explanation, params: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def _gradients(explanation, params: list[torch.Tensor], logits: bool = True) -> tuple[torch.Tensor, ...]:
+    """The parameters' gradient of a loss on C, C_b, C_w and (where they carry one and
+    ``logits``) the logits."""
     loss = (explanation.contribution ** 2).sum() + explanation.bias.sum() + (explanation.weight.sin()).sum()
+    if logits and explanation.logits.requires_grad:
+        loss = loss + explanation.logits.square().sum()
     return torch.autograd.grad(loss, params)
 
 
@@ -91,15 +100,50 @@ def test_total_logits_carry_the_models_own_gradient(family):
     assert not fixed.logits.requires_grad and not fixed.logit.requires_grad
 
 
+@pytest.mark.parametrize("parameter_gradient", ["total", "fixed_multipliers"])
 @pytest.mark.parametrize("family", sorted(MODELS))
-def test_fused_backend_warns_and_matches_reference(family):
+def test_fused_backend_matches_reference(family, parameter_gradient):
+    """The fused ops differentiate twice; only the ViT's attention falls back, with a warning."""
     model, x = MODELS[family]()
     params = list(model.parameters())
-    with pytest.warns(RuntimeWarning, match="no double backward"):
-        fused = Explainer(model, backend="auto")(x, TARGET, create_graph=True)
-    reference = Explainer(model)(x, TARGET, create_graph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fused = Explainer(model, backend="auto")(x, TARGET, create_graph=True,
+                                                 parameter_gradient=parameter_gradient)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if family == "vit":
+        assert len(messages) == 1 and "R6 attention have no double backward" in messages[0]
+    else:
+        assert messages == []
+    reference = Explainer(model)(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
+    for field in ("contribution", "weight", "bias", "logits"):
+        _assert_close(getattr(fused, field).detach(), getattr(reference, field).detach(), RTOL_GRADIENT)
     for actual, expected in zip(_gradients(fused, params), _gradients(reference, params)):
         _assert_close(actual, expected, RTOL_GRADIENT)
+
+
+def test_fused_backward_runs_once_per_explanation_and_parameter_path_only_for_logits(monkeypatch):
+    """ReLU CNN, total gradient (no held forward, so the linearized logits are the model's):
+
+    * the explanation's backward runs each convolution's fused input gradient once, and the
+      attribution loss's backward does not run it again (nothing sends gradients into the
+      linearized forward: max pooling gathers its value instead of keeping its input);
+    * the parameters' gradient of the fused values is computed only for the logits' backward.
+    """
+    model, x = MODELS["relu_cnn"]()
+    input_grads, parameter_paths = [], []
+    real_input_grad = conv.conv2d_input_grad
+    monkeypatch.setattr(conv, "conv2d_input_grad", lambda *a: input_grads.append(1) or real_input_grad(*a))
+    real_backward = values._ParameterPath.backward
+    monkeypatch.setattr(values._ParameterPath, "backward",
+                        staticmethod(lambda ctx, grad: parameter_paths.append(1) or real_backward(ctx, grad)))
+    explanation = Explainer(model, backend="auto")(x, TARGET, create_graph=True)
+    convolutions = sum(isinstance(m, nn.Conv2d) for m in model.modules())
+    assert len(input_grads) == convolutions and parameter_paths == []
+    explanation.contribution.square().sum().backward(retain_graph=True)
+    assert len(input_grads) == convolutions and parameter_paths == []
+    explanation.logits.sum().backward()
+    assert len(parameter_paths) == convolutions + 2 + 1  # convolutions, BatchNorms, the head
 
 
 def test_many_readouts_gradient_is_the_sum_of_single_ones():
@@ -147,7 +191,7 @@ def test_held_forward_only_where_multipliers_follow_it(monkeypatch, family, held
     monkeypatch.setattr(executor, "_attach_held",
                         lambda result, held: held_inputs.append(1) or real_attach(result, held))
     params = list(model.parameters())
-    total = _gradients(explainer(x, TARGET, create_graph=True), params)
+    total = _gradients(explainer(x, TARGET, create_graph=True), params, logits=False)
     assert bool(held_inputs) == held_forward
     if not held_forward:
         fixed = _gradients(explainer(x, TARGET, create_graph=True, parameter_gradient="fixed_multipliers"), params)

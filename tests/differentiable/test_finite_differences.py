@@ -10,10 +10,14 @@ parameters at once.
 
 float64, h = 1e-5: the truncation error is O(h²) ≈ 1e-10 and the rounding error
 ≈ 1e-16/h ≈ 1e-11 relative, so the tolerance is 1e-6 relative to the size of the
-directional derivative (or of the whole gradient along v, for tiny ones).
+directional derivative (or of the whole gradient along v, for tiny ones). Both backends:
+the fused one differentiates its own ops twice (convolution, BatchNorm, linear,
+activations).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -60,16 +64,19 @@ def _directions(params: list[torch.Tensor], seed: int) -> list[tuple[str, list[t
     return alone + [("all parameters", full)]
 
 
-def _directional_derivatives(family: str, parameter_gradient: str, directions: slice = slice(None)):
+def _directional_derivatives(family: str, parameter_gradient: str, directions: slice = slice(None),
+                             backend: str = "reference"):
     """Per direction of :func:`_directions`: (name, autograd's derivative along it, the central
     finite difference, the size of the gradient along it)."""
     model, x = MODELS[family]()
     target = torch.tensor([1, 3])
     weights = _loss_weights(x, seed=1)
-    explainer = Explainer(model)
+    explainer = Explainer(model, backend=backend)
     params = list(model.parameters())
 
-    explanation = explainer(x, target, create_graph=True, parameter_gradient=parameter_gradient)
+    with warnings.catch_warnings():  # the fused backend's fallback for attention is tested elsewhere
+        warnings.simplefilter("ignore", RuntimeWarning)
+        explanation = explainer(x, target, create_graph=True, parameter_gradient=parameter_gradient)
     gradient = torch.autograd.grad(_attribution_loss(explanation, weights), params)
     for name, direction in _directions(params, seed=2)[directions]:
         analytic = sum(float((g * v).sum()) for g, v in zip(gradient, direction))
@@ -78,9 +85,10 @@ def _directional_derivatives(family: str, parameter_gradient: str, directions: s
         yield name, analytic, numeric, sum(float(g.norm() * v.norm()) for g, v in zip(gradient, direction))
 
 
+@pytest.mark.parametrize("backend", ["reference", "auto"])
 @pytest.mark.parametrize("family", sorted(MODELS))
-def test_total_gradient_matches_finite_differences(family):
-    for name, analytic, numeric, size in _directional_derivatives(family, "total"):
+def test_total_gradient_matches_finite_differences(family, backend):
+    for name, analytic, numeric, size in _directional_derivatives(family, "total", backend=backend):
         scale = max(abs(numeric), 1e-3 * size)
         assert abs(analytic - numeric) <= RTOL * scale, (
             f"{family}, {name}: autograd {analytic:.12g}, finite differences {numeric:.12g}")

@@ -142,17 +142,25 @@ def test_mean_over_channels_keeps_pixel_identity():
     torch.testing.assert_close(e.bias, (model.c.detach() * g)[0].expand(2, 3, 3), rtol=RTOL, atol=ATOL)
 
 
+def _integers_with_ties(shape, seed: int) -> torch.Tensor:
+    """Values in {-1, 0, 1, 2}: most windows hold equal maxima."""
+    return torch.randint(-1, 3, shape, generator=torch.Generator().manual_seed(seed)).to(DT)
+
+
+@pytest.mark.parametrize("channels,values", [(2, "random"), (16, "ties")])
 @pytest.mark.parametrize("kernel,stride,padding", [(2, 2, 0), (3, 2, 1), (3, 1, 1)])
-def test_max_pool_ones_at_argmax(kernel, stride, padding):
+def test_max_pool_ones_at_argmax(kernel, stride, padding, channels, values):
+    """16 channels take the CPU's channels-last pooling; with ties the arg-max is the first
+    maximum of the window in row-major order, as the model's own pooling picks it."""
     in_hw = (5, 6)
-    model = _build(nn.MaxPool2d(kernel, stride, padding), (2, 2, *in_hw), seed=9)
-    x = rand(2, 2, *in_hw, seed=10)
+    model = _build(nn.MaxPool2d(kernel, stride, padding), (2, channels, *in_hw), seed=9)
+    x = rand(2, channels, *in_hw, seed=10) if values == "random" else _integers_with_ties((2, channels, *in_hw), 10)
     e = _check_common(model, x, 1)
     g = model.head.weight[1].detach().view(model.c.shape)
     c = model.c.detach()
     for b in range(2):
         expected = torch.zeros(in_hw, dtype=DT)
-        for ch in range(2):
+        for ch in range(channels):
             for p in itertools.product(*[range(n) for n in model.c.shape[1:]]):
                 window = _pool_window(p, in_hw, kernel, stride, padding)
                 arg = max(window, key=lambda q: x[b, ch, q[0], q[1]].item())

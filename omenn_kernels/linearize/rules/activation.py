@@ -2,7 +2,10 @@
 
 Fused op ``omenn::activation`` (GELU, tanh-GELU, SiLU, ReLU, LeakyReLU, Hardswish):
 forward ``x·ξ(x)``, backward ``dy·ξ(x)`` recomputed from the saved ``x`` — CPU runs
-``csrc/activation.cpp``, CUDA ``triton_kernels/activation.py``.
+``csrc/activation.cpp``, CUDA ``triton_kernels/activation.py``. The backward is linear
+in ``dy`` with ``ξ`` held, so it differentiates again as itself; where ``ξ`` must follow
+the parameters (a total parameter gradient through a smooth activation, which gives
+the rule a held value) the rule runs its reference math instead.
 
 ``ξ(x) = (f(x) − f(0))/x`` with ``ξ(0) = f'(0)``. Closed forms are used where they
 exist (GELU: Φ(x), SiLU: σ(x), ReLU: 1[x>0], Hardswish: relu6(x+3)/6); every other
@@ -136,17 +139,36 @@ def _activation_setup(ctx, inputs, output) -> None:
 
 def _activation_grad(ctx, grad):
     (x,) = ctx.saved_tensors
-    return activation_backward_op(grad, x, ctx.kind, ctx.slope), None, None
+    # ξ is held: detached, a differentiated backward has no edge to the forward.
+    return activation_backward_op(grad, x.detach(), ctx.kind, ctx.slope), None, None
 
 
 activation_op.register_autograd(_activation_grad, setup_context=_activation_setup)
 
 
-def _fused_activation(op, *args, **kwargs):
-    """R4 through ``omenn::activation`` where a kernel exists; the reference math otherwise."""
+def _activation_backward_setup(ctx, inputs, output) -> None:
+    _grad, x, ctx.kind, ctx.slope = inputs
+    ctx.save_for_backward(x)
+
+
+def _activation_backward_grad(ctx, grad_grad):
+    """``dy·ξ(x)`` with ``ξ`` held: its derivative with respect to ``dy`` is ``ξ(x)`` again."""
+    (x,) = ctx.saved_tensors
+    return activation_backward_op(grad_grad, x, ctx.kind, ctx.slope), None, None, None
+
+
+activation_backward_op.register_autograd(_activation_backward_grad, setup_context=_activation_backward_setup)
+
+_PIECEWISE_CONSTANT = ("relu", "leaky_relu")
+
+
+def _fused_activation(op, *args, value_gradient: bool = False, **kwargs):
+    """R4 through ``omenn::activation`` where a kernel exists; the reference math otherwise,
+    and where a smooth ``ξ`` must follow the parameters through the held value."""
     x, *rest = arguments(op, args, kwargs)
     kind = _fused_kind(op, rest)
-    if kind is None or not kernels_available(x.value):
+    if kind is None or not kernels_available(x.value) or (
+            x.held is not None and kind[0] not in _PIECEWISE_CONSTANT):
         return _activation(op, *args, **kwargs)
     return Live(activation_op(x.value, *kind), x.ones)
 
@@ -154,10 +176,11 @@ def _fused_activation(op, *args, **kwargs):
 # Piecewise-constant multipliers (0/1, or 1/slope): their derivative is zero, so they do not
 # change with the parameters.
 register([aten.relu, aten.leaky_relu, aten.hardshrink],
-         Rule("R4 elementwise activation", _activation, _fused_activation, held_multipliers=False))
+         Rule("R4 elementwise activation", _activation, _fused_activation, fused_differentiable=True,
+              held_multipliers=False))
 register([aten.gelu, aten.silu, aten.hardswish, aten.elu, aten.celu, aten.selu, aten.hardtanh,
           aten.relu6, aten.tanh, aten.softplus, aten.mish, aten.softshrink, aten.clamp.default,
           aten.clamp_min.default, aten.clamp_max.default, aten.log_sigmoid],
-         Rule("R4 elementwise activation", _activation, _fused_activation))
+         Rule("R4 elementwise activation", _activation, _fused_activation, fused_differentiable=True))
 register([aten.sigmoid, aten.hardsigmoid],
          Rule("R4 elementwise activation / R5 gate", _activation, may_gate=True))

@@ -10,7 +10,12 @@ Fused op ``omenn::conv2d_ones`` (2-D, ones shared per pixel): the value is the
 convolution with its bias (``Ō = 1`` wherever a real position is seen), and the
 backward reduces ``Σ_c dy_c·b_c`` per output position, divides by ``S`` and scatters
 it over the receptive field in one kernel — CPU ``csrc/conv_bias.cpp``, CUDA
-``triton_kernels/conv_bias.py``.
+``triton_kernels/conv_bias.py``. For explanations differentiable with respect to the
+parameters the backward differentiates again: the input gradient through
+``omenn::conv2d_input_grad``, whose own backward is a convolution and a weight
+gradient (autograd's double backward of a convolution computes the weight's part as
+a convolution over the batch, 2–3× slower on the CPU), and the ones' gradient through
+a window sum of 1×1 channel.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch.nn.functional as F
 
 from ..fused import kernels_available
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, renormalized, require_reached
+from ..values import Gate, Live, renormalized, require_reached, with_parameter_gradient
 
 aten = torch.ops.aten
 
@@ -92,6 +97,8 @@ def conv2d_ones(x: torch.Tensor, ones: torch.Tensor, window_sum: torch.Tensor, w
     """R2 with ones (N, 1, H, W) shared per pixel and ``S`` = ``window_sum`` (N, 1, Ho, Wo).
 
     Returns the convolution with its bias and the output's ones ``Ō`` (1 where S > 0).
+    The backward gives the input and the ones their gradient (not the weight and bias:
+    see :func:`_fused_conv`).
     """
     value = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     return value, (window_sum > 0).to(x.dtype)
@@ -101,6 +108,41 @@ def conv2d_ones(x: torch.Tensor, ones: torch.Tensor, window_sum: torch.Tensor, w
 def _conv2d_ones_fake(x, ones, window_sum, weight, bias, stride, padding, dilation, groups):
     value = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
     return value, torch.empty_like(window_sum, dtype=x.dtype)
+
+
+@torch.library.custom_op("omenn::conv2d_input_grad", mutates_args=())
+def conv2d_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride: list[int],
+                      padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    """The input gradient ``convᵀ(grad, W)`` of a 2-D convolution of ``x`` (read for its shape)."""
+    return torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, False,
+                                               [0, 0], groups, [True, False, False])[0]
+
+
+@conv2d_input_grad.register_fake
+def _conv2d_input_grad_fake(grad, x, weight, stride, padding, dilation, groups):
+    return torch.empty_like(x)
+
+
+def _conv2d_input_grad_setup(ctx, inputs, output) -> None:
+    grad, _x, weight, ctx.stride, ctx.padding, ctx.dilation, ctx.groups = inputs
+    ctx.save_for_backward(grad, weight)
+
+
+def _conv2d_input_grad_grad(ctx, grad_input):
+    """``convᵀ(g, W)`` is linear in ``g`` and ``W``: its backward is the convolution of the
+    incoming gradient (for ``g``) and the weight gradient of that convolution (for ``W``)."""
+    grad, weight = ctx.saved_tensors
+    grad_grad = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        grad_grad = F.conv2d(grad_input, weight, None, ctx.stride, ctx.padding, ctx.dilation, ctx.groups)
+    if ctx.needs_input_grad[2]:
+        grad_weight = torch.ops.aten.convolution_backward(
+            grad, grad_input, weight, None, ctx.stride, ctx.padding, ctx.dilation, False, [0, 0],
+            ctx.groups, [False, True, False])[1]
+    return grad_grad, None, grad_weight, None, None, None, None
+
+
+conv2d_input_grad.register_autograd(_conv2d_input_grad_grad, setup_context=_conv2d_input_grad_setup)
 
 
 @torch.library.custom_op("omenn::conv2d_ones_backward", mutates_args=())
@@ -129,6 +171,29 @@ def _conv2d_ones_backward_fake(grad, grad_ones, bias, window_sum, input_size, ke
     return grad.new_empty(grad.shape[0], 1, *input_size, dtype=torch.float32)
 
 
+def _conv2d_ones_backward_setup(ctx, inputs, output) -> None:
+    grad, grad_ones, bias, window_sum, _size, ctx.kernel_size, ctx.stride, ctx.padding, ctx.dilation = inputs
+    ctx.grad_ones_shape = grad_ones.shape
+    ctx.save_for_backward(grad, bias, window_sum)
+
+
+def _conv2d_ones_backward_grad(ctx, grad_ones_in):
+    """The ones' gradient is linear in ``grad``, ``grad_ones`` and ``bias``: its backward sums the
+    incoming gradient over each window, divides by ``S`` (the bias share) and hands it back."""
+    grad, bias, window_sum = ctx.saved_tensors
+    window = grad_ones_in.new_ones(1, 1, *ctx.kernel_size)
+    gathered = F.conv2d(grad_ones_in, window, None, ctx.stride, ctx.padding, ctx.dilation)
+    empty = window_sum == 0
+    share = torch.where(empty, 0.0, gathered / torch.where(empty, 1.0, window_sum)).to(grad.dtype)
+    grad_grad = share * bias.to(grad.dtype).view(1, -1, 1, 1) if ctx.needs_input_grad[0] else None
+    grad_grad_ones = share.sum_to_size(ctx.grad_ones_shape) if ctx.needs_input_grad[1] else None
+    grad_bias = (share * grad).sum((0, 2, 3)).to(bias.dtype) if ctx.needs_input_grad[2] else None
+    return grad_grad, grad_grad_ones, grad_bias, None, None, None, None, None, None
+
+
+conv2d_ones_backward.register_autograd(_conv2d_ones_backward_grad, setup_context=_conv2d_ones_backward_setup)
+
+
 def _conv2d_ones_setup(ctx, inputs, output) -> None:
     x, ones, window_sum, weight, bias, ctx.stride, ctx.padding, ctx.dilation, ctx.groups = inputs
     ctx.has_bias = bias is not None
@@ -152,9 +217,9 @@ def _conv2d_ones_grad(ctx, grad, grad_ones):
     if x.device.type == "cpu" and _cuts_patches(x, weight.shape, ctx.stride, ctx.padding, ctx.dilation, ctx.groups):
         grad_x = _patch_input_grad(grad_like_x, weight_like_x)  # ~2.7× faster than oneDNN's backward here
     else:
-        grad_x = torch.ops.aten.convolution_backward(
-            grad_like_x, x, weight_like_x, None, ctx.stride, ctx.padding, ctx.dilation, False, [0, 0],
-            ctx.groups, [True, False, False])[0]
+        # x gives only its shape: detached, the backward's graph has no edge to the forward.
+        grad_x = conv2d_input_grad(grad_like_x, x.detach(), weight_like_x, ctx.stride, ctx.padding,
+                                   ctx.dilation, ctx.groups)
     grad_ones_in = conv2d_ones_backward(grad.contiguous(), grad_ones.contiguous(), bias, window_sum,
                                         list(x.shape[2:]), list(weight.shape[2:]), ctx.stride,
                                         ctx.padding, ctx.dilation)
@@ -182,8 +247,22 @@ def _pair(value, dims: int = 2) -> list[int]:
     return list(value) * (dims // len(value)) if isinstance(value, (list, tuple)) else [value] * dims
 
 
-def _fused_conv(op, *args, **kwargs):
-    """R2 through ``omenn::conv2d_ones`` for 2-D convolutions with ones shared per pixel."""
+def _conv_parameter_gradients(x: torch.Tensor, weight: torch.Tensor, has_bias: bool, stride, padding,
+                              dilation, groups: int):
+    def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        grad_weight = torch.ops.aten.convolution_backward(
+            grad, x, weight, None, stride, padding, dilation, False, [0, 0], groups,
+            [False, True, False])[1]
+        return (grad_weight, grad.sum((0, 2, 3))) if has_bias else (grad_weight,)
+    return gradients
+
+
+def _fused_conv(op, *args, value_gradient: bool = False, **kwargs):
+    """R2 through ``omenn::conv2d_ones`` for 2-D convolutions with ones shared per pixel.
+
+    ``value_gradient`` (see :class:`Rule`): the value also carries the weight's and the
+    bias's gradient (``Ō`` is 1 wherever a bias is added), on a node of its own.
+    """
     bound = arguments(op, args, kwargs)
     x = bound[0]
     _, weight, bias, stride, padding, dilation, groups = bound
@@ -204,8 +283,12 @@ def _fused_conv(op, *args, **kwargs):
         require_reached(window_sum)
     value, ones_out = conv2d_ones(x.value, ones, window_sum.float(), weight, bias, stride, padding,
                                   dilation, groups)
+    if value_gradient:
+        value = with_parameter_gradient(value, (weight,) if bias is None else (weight, bias),
+                                        _conv_parameter_gradients(x.value.detach(), weight, bias is not None,
+                                                                  stride, padding, dilation, groups))
     return Live(value, ones_out)
 
 
 register([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution],
-         Rule("R2 convolution", _conv, _fused_conv, held_multipliers=False))
+         Rule("R2 convolution", _conv, _fused_conv, fused_differentiable=True, held_multipliers=False))

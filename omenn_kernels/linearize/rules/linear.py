@@ -7,7 +7,8 @@ Fused op ``omenn::linear_ones``: the value rounded as the reference rounds it, a
 backward that multiplies only the output features that receive a gradient. Features
 that only feed gates (the query and key thirds of a fused ``qkv`` projection) get
 none, so ``dX = dY·W`` shrinks to the value third — two of the three products a
-gradient computes there.
+gradient computes there. ``omenn::linear_input_grad`` differentiates again over the same
+features, so explanations differentiable with respect to the parameters run it too.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, require_reached
+from ..values import Gate, Live, require_reached, with_parameter_gradient
 from .attention import attended
 
 aten = torch.ops.aten
@@ -59,24 +60,59 @@ def _linear_ones_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(weight, bias)
 
 
-@torch.library.custom_op("omenn::linear_input_grad", mutates_args=())
-def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``grad·W`` over the output features that receive a gradient (the others add 0)."""
+def _receiving_block(grad: torch.Tensor) -> slice | torch.Tensor | None:
+    """The output features that receive a gradient: None (all), a slice (one block, such as
+    the value third of qkv) or a boolean mask."""
     receiving = grad.flatten(0, -2).abs().amax(0) > 0
     if bool(receiving.all()):
-        return grad.matmul(weight)
+        return None
     features = receiving.nonzero().flatten()
     count = len(features)
     if count and int(features[-1] - features[0]) + 1 == count:
-        # One block (the value third of qkv): views, where indexing would copy the gradient.
-        first = int(features[0])
-        return grad.narrow(-1, first, count).matmul(weight.narrow(0, first, count))
-    return grad[..., receiving].matmul(weight[receiving])
+        return slice(int(features[0]), int(features[0]) + count)
+    return receiving
+
+
+@torch.library.custom_op("omenn::linear_input_grad", mutates_args=())
+def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``grad·W`` over the output features that receive a gradient (the others add 0)."""
+    block = _receiving_block(grad)
+    if block is None:
+        return grad.matmul(weight)
+    if isinstance(block, slice):  # views, where indexing would copy the gradient
+        return grad.narrow(-1, block.start, block.stop - block.start).matmul(
+            weight.narrow(0, block.start, block.stop - block.start))
+    return grad[..., block].matmul(weight[block])
 
 
 @linear_input_grad.register_fake
 def _linear_input_grad_fake(grad, weight):
     return grad.new_empty(*grad.shape[:-1], weight.shape[1])
+
+
+def _linear_input_grad_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _linear_input_grad_grad(ctx, grad_input):
+    """``g·W`` is linear in ``g`` and ``W``: ``dg = dX·Wᵀ`` (every feature: a gradient that is 0
+    may still change with the parameters) and ``dW = gᵀ·dX``, whose rows are 0 where ``g`` is."""
+    grad, weight = ctx.saved_tensors
+    grad_grad = grad_input.matmul(weight.transpose(0, 1)) if ctx.needs_input_grad[0] else None
+    grad_weight = None
+    if ctx.needs_input_grad[1]:
+        block = _receiving_block(grad)
+        rows = slice(None) if block is None else block
+        product = grad[..., rows].flatten(0, -2).transpose(0, 1).matmul(grad_input.flatten(0, -2))
+        if block is None:
+            grad_weight = product
+        else:
+            grad_weight = torch.zeros_like(weight)
+            grad_weight[rows] = product
+    return grad_grad, grad_weight
+
+
+linear_input_grad.register_autograd(_linear_input_grad_grad, setup_context=_linear_input_grad_setup)
 
 
 def _linear_ones_grad(ctx, grad, grad_ones_bar):
@@ -90,7 +126,14 @@ def _linear_ones_grad(ctx, grad, grad_ones_bar):
 linear_ones.register_autograd(_linear_ones_grad, setup_context=_linear_ones_setup)
 
 
-def _fused_linear(op, *args, **kwargs):
+def _linear_parameter_gradients(x: torch.Tensor, ones_bar: torch.Tensor):
+    def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = grad.flatten(0, -2)
+        return rows.transpose(0, 1).matmul(x.flatten(0, -2)), (grad * ones_bar).flatten(0, -2).sum(0)
+    return gradients
+
+
+def _fused_linear(op, *args, value_gradient: bool = False, **kwargs):
     """R1 through ``omenn::linear_ones`` when the linear has a bias."""
     x, weight, bias = arguments(op, args, kwargs)
     if bias is None or not isinstance(x, Live) or isinstance(weight, (Live, Gate)) \
@@ -99,6 +142,9 @@ def _fused_linear(op, *args, **kwargs):
     require_reached(x.ones.mean(-1, keepdim=True))
     ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
     value, ones_bar = linear_ones(x.value, ones, weight, bias)
+    if value_gradient:  # the weight's and bias's gradient on a node of its own (Rule.fused_differentiable)
+        value = with_parameter_gradient(value, (weight, bias),
+                                        _linear_parameter_gradients(x.value.detach(), ones_bar.detach()))
     return Live(value, ones_bar)
 
 
@@ -144,7 +190,8 @@ def _addmm(op, *args, **kwargs):
     return Live(alpha * product.value + beta * bias * product.ones, product.ones)
 
 
-register([aten.linear], Rule("R1 linear", _linear, _fused_linear, held_multipliers=False))
+register([aten.linear], Rule("R1 linear", _linear, _fused_linear, fused_differentiable=True,
+                             held_multipliers=False))
 register([aten.matmul, aten.mm, aten.bmm],
          Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1), held_multipliers=False))
 register([aten.addmm], Rule("R1 linear", _addmm, held_multipliers=False))

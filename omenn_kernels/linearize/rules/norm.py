@@ -9,7 +9,9 @@ over the normalized dimensions.
 Fused op ``omenn::batch_norm_ones`` (R3): the value ``x·s + b'`` without multiplying by
 the ones (they are 1 wherever a shift is added, ``require_reached``), and a backward of
 ``dy·s`` for the input and ``Σ_c dy·b'`` for the ones, instead of the reference's
-broadcast products and their gradients.
+broadcast products and their gradients. Its backward is made of differentiable
+products with ``s`` and ``b'``, so explanations differentiable with respect to the
+parameters run it too.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Live, full_ones, plain, require_reached
+from ..values import Live, full_ones, plain, require_reached, with_parameter_gradient
 
 aten = torch.ops.aten
 
@@ -83,12 +85,20 @@ def _batch_norm_ones_grad(ctx, grad):
 batch_norm_ones.register_autograd(_batch_norm_ones_grad, setup_context=_batch_norm_ones_setup)
 
 
-def _fused_batch_norm_no_training(op, *args, **kwargs):
+def _affine_gradients(x: torch.Tensor):
+    reduced = [0, *range(2, x.dim())]
+    return lambda grad: ((grad * x).sum(reduced), grad.sum(reduced))
+
+
+def _fused_batch_norm_no_training(op, *args, value_gradient: bool = False, **kwargs):
     x, weight, bias, mean, var, _momentum, eps = arguments(op, args, kwargs)
     require_reached(x.ones)
     scale, shift = _affine_of(weight, bias, mean, var, eps)
     empty = x.value.new_empty(0)
-    return Live(batch_norm_ones(x.value, x.ones, scale, shift), x.ones), empty, empty
+    value = batch_norm_ones(x.value, x.ones, scale, shift)
+    if value_gradient:  # the gradient of s and b' on a node of its own (Rule.fused_differentiable)
+        value = with_parameter_gradient(value, (scale, shift), _affine_gradients(x.value.detach()))
+    return Live(value, x.ones), empty, empty
 
 
 def _batch_norm_no_training(op, *args, **kwargs):
@@ -170,7 +180,7 @@ def _native_group_norm(op, *args, **kwargs):
 
 register([aten._native_batch_norm_legit_no_training],
          Rule("R3 BatchNorm (eval)", _batch_norm_no_training, _fused_batch_norm_no_training,
-              held_multipliers=False))
+              fused_differentiable=True, held_multipliers=False))
 register([aten.batch_norm], Rule("R3 BatchNorm (eval)", _batch_norm, held_multipliers=False))
 register([aten.layer_norm, aten.native_layer_norm], Rule("R3' LayerNorm", _layer_norm))
 register([aten.rms_norm], Rule("R3' RMSNorm", _rms_norm))
