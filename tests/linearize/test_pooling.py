@@ -225,3 +225,17 @@ def test_upsampling_complete_and_constant_shares(name):
     grad = gradient(model, x, 0)
     expected = (model.c.detach().view(1, 2, 1, 1) * grad).sum(1)
     torch.testing.assert_close(e.bias, expected, rtol=RTOL, atol=ATOL)
+
+
+def test_shared_ones_at_argmax_differentiates_twice():
+    """The fused backend's ones (one per pixel) read at each channel's arg-max: the backward
+    adds into the shared ones directly; first and second derivatives against gradcheck."""
+    from omenn_kernels.linearize.rules.pooling import _SharedAtArgMax
+
+    generator = torch.Generator().manual_seed(21)
+    shared = torch.rand(2, 1, 12, dtype=DT, generator=generator, requires_grad=True)
+    indices = torch.randint(0, 12, (2, 5, 4), generator=generator)  # channels pick the same pixels too
+    assert torch.autograd.gradcheck(lambda s: _SharedAtArgMax.apply(s, indices), (shared,))
+    assert torch.autograd.gradgradcheck(lambda s: _SharedAtArgMax.apply(s, indices), (shared,))
+    expected = shared.detach().expand(2, 5, 12).gather(-1, indices)
+    torch.testing.assert_close(_SharedAtArgMax.apply(shared, indices), expected, rtol=0, atol=0)

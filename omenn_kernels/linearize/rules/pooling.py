@@ -30,6 +30,43 @@ def _pooled(op, *args, **kwargs):
     return Live(value, renormalized(op(x.ones, *rest, **kwargs)))
 
 
+class _SharedAtArgMax(torch.autograd.Function):
+    """Ones shared by the channels, (N, 1, L), read at every channel's arg-max, (N, C, Lo).
+
+    The backward adds each channel's gradient straight into the shared ones, where a
+    gather from the expanded ones would scatter into a zero tensor of every channel and
+    then sum it over them.
+    """
+
+    @staticmethod
+    def forward(ctx, shared: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(indices)
+        ctx.length = shared.shape[-1]
+        return shared.expand(indices.shape[0], indices.shape[1], shared.shape[-1]).gather(-1, indices)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (indices,) = ctx.saved_tensors
+        return _AddedAtArgMax.apply(grad, indices, ctx.length), None
+
+
+class _AddedAtArgMax(torch.autograd.Function):
+    """The backward of :class:`_SharedAtArgMax`, itself differentiable (its backward is the gather)."""
+
+    @staticmethod
+    def forward(ctx, grad: torch.Tensor, indices: torch.Tensor, length: int) -> torch.Tensor:
+        ctx.save_for_backward(indices)
+        batch = grad.shape[0]
+        shared = grad.new_zeros(batch, length)
+        shared.scatter_add_(1, indices.reshape(batch, -1), grad.reshape(batch, -1))
+        return shared.view(batch, 1, length)
+
+    @staticmethod
+    def backward(ctx, grad_shared: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (indices,) = ctx.saved_tensors
+        return _SharedAtArgMax.apply(grad_shared, indices), None, None
+
+
 def _max_pool(op, *args, **kwargs):
     """R13': max pooling; the value and the ones are read at the arg-max.
 
@@ -48,7 +85,11 @@ def _max_pool(op, *args, **kwargs):
                                  return_indices=True)[1]
     flat = indices.flatten(-spatial)
     value = x.value.flatten(-spatial).gather(-1, flat).view(indices.shape)
-    ones = full_ones(x).flatten(-spatial).gather(-1, flat).view(indices.shape)
+    if x.ones.dim() == x.value.dim() == 4 and x.ones.shape[1] == 1 and x.value.shape[1] > 1:
+        shared = x.ones.expand(x.value.shape[0], 1, *x.value.shape[2:]).flatten(-spatial)
+        ones = _SharedAtArgMax.apply(shared, flat).view(indices.shape)
+    else:
+        ones = full_ones(x).flatten(-spatial).gather(-1, flat).view(indices.shape)
     if op in (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default):
         return Live(value, ones), indices
     return Live(value, ones)
