@@ -161,4 +161,4 @@ def test_training_step(benchmark: BenchmarkFixture, batch: Batch, workload: str,
     benchmark.extra_info.update(workload=workload, variant=variant, batch=BATCH,
                                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_model(),
                                 torch=torch.__version__, date=datetime.date.today().isoformat())
-    benchmark.pedantic(timed, rounds=5, warmup_rounds=1)
+    benchmark.pedantic(timed, rounds=10, warmup_rounds=1)
