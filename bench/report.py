@@ -13,6 +13,7 @@ each variant.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections import defaultdict
 
@@ -84,5 +85,32 @@ def table(path: str) -> str:
     return "\n".join(lines)
 
 
+def training_across(paths: list[str]) -> str:
+    """Per training group and variant: the median ratio to the plain step over the runs, and its range."""
+    ratios: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    plains: dict[str, list[float]] = defaultdict(list)
+    for path in paths:
+        medians: dict[str, dict[str, float]] = defaultdict(dict)
+        for bench in json.load(open(path))["benchmarks"]:
+            if bench["group"].startswith("training-"):
+                medians[bench["group"]][_variant(bench["name"], bench["group"])] = bench["stats"]["median"]
+        for group, results in medians.items():
+            plains[group].append(results["plain"])
+            for variant, median in results.items():
+                ratios[group][variant].append(median / results["plain"])
+    lines = [f"{len(paths)} runs: " + ", ".join(f"`{p}`" for p in paths), ""]
+    for group, variants in ratios.items():
+        plain = sorted(plains[group])
+        lines += [f"| {group} | ÷ plain step, median of runs | range |", "|---|---|---|",
+                  f"| plain | {statistics.median(plain) * 1e3:.1f} ms | {plain[0] * 1e3:.1f}–{plain[-1] * 1e3:.1f} ms |"]
+        lines += [f"| {variant} | {statistics.median(values):.2f} | {min(values):.2f}–{max(values):.2f} |"
+                  for variant, values in variants.items() if variant != "plain"]
+        lines.append("")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    print("\n".join(table(p) for p in sys.argv[1:]))
+    if sys.argv[1:2] == ["--across"]:
+        print(training_across(sys.argv[2:]))
+    else:
+        print("\n".join(table(p) for p in sys.argv[1:]))
