@@ -15,7 +15,7 @@ parameters the backward differentiates again: the input gradient through
 ``omenn::conv2d_input_grad``, whose own backward is a convolution and a weight
 gradient (autograd's double backward of a convolution computes the weight's part as
 a convolution over the batch, 2–3× slower on the CPU), and the ones' gradient through
-a window sum of 1×1 channel.
+a window sum of the single ones channel.
 """
 
 from __future__ import annotations
