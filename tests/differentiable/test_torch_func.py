@@ -15,6 +15,8 @@ position embedding, written-out softmax attention, LayerNorms, GELU MLP):
    here with every multiplier detached;
 4. the two kinds of gradient differ, so that (2) cannot pass by ignoring the multipliers.
 
+(2) and (3) run on both backends: the fused one differentiates its own ops twice.
+
 Why the OMENN written here is independent of the library: it shares none of its code
 (no capture, no rule registry, no backend). Each model's linearized network is written
 out by hand, rule by rule, on (value, ones) pairs with full-shape ones channels, from
@@ -32,6 +34,7 @@ than 1e-6 relative.
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 from typing import Callable, Iterator, NamedTuple
 
@@ -336,9 +339,11 @@ def independent_parameter_gradient(model: nn.Module, x: Tensor, r: LossWeights,
 
 
 def library_parameter_gradient(model: nn.Module, x: Tensor, r: LossWeights,
-                               parameter_gradient: str) -> dict[str, Tensor]:
-    e = omenn_kernels.explain(model, x, TARGET, backend="reference", create_graph=True,
-                              parameter_gradient=parameter_gradient)
+                               parameter_gradient: str, backend: str = "reference") -> dict[str, Tensor]:
+    with warnings.catch_warnings():  # the fused attention's fallback is tested in test_create_graph
+        warnings.simplefilter("ignore", RuntimeWarning)
+        e = omenn_kernels.explain(model, x, TARGET, backend=backend, create_graph=True,
+                                  parameter_gradient=parameter_gradient)
     names, params = zip(*model.named_parameters())
     gradients = torch.autograd.grad(attribution_loss(e.contribution, e.weight, e.bias, r), params)
     return dict(zip(names, gradients))
@@ -373,15 +378,17 @@ def test_first_order_matches_library(model_name: str) -> None:
     assert model.training == (model_name == "cnn")  # the flag of the train-mode model is kept
 
 
+@pytest.mark.parametrize("backend", ["reference", "auto"])
 @pytest.mark.parametrize("parameter_gradient, detach_multipliers",
                          [("total", False), ("fixed_multipliers", True)])
 @pytest.mark.parametrize("model_name", MODELS)
 def test_parameter_gradient_matches_torch_func(model_name: str, parameter_gradient: str,
-                                               detach_multipliers: bool) -> None:
-    """"total" against the multipliers recomputed at θ; "fixed_multipliers" against them detached."""
+                                               detach_multipliers: bool, backend: str) -> None:
+    """"total" against the multipliers recomputed at θ; "fixed_multipliers" against them detached.
+    Both backends: the fused one differentiates its own ops twice."""
     model, x = make_model(model_name), make_input()
     r = make_loss_weights(x)
-    assert_gradients_equal(library_parameter_gradient(model, x, r, parameter_gradient),
+    assert_gradients_equal(library_parameter_gradient(model, x, r, parameter_gradient, backend),
                            independent_parameter_gradient(model, x, r, detach_multipliers=detach_multipliers))
 
 
