@@ -197,3 +197,27 @@ def test_held_forward_only_where_multipliers_follow_it(monkeypatch, family, held
         fixed = _gradients(explainer(x, TARGET, create_graph=True, parameter_gradient="fixed_multipliers"), params)
         for actual, expected in zip(total, fixed):
             _assert_close(actual, expected, RTOL_SAME)
+
+
+def test_fused_value_gradient_without_biases():
+    """Bias-free convolution and linear head, ReLU and max pooling (no held forward): the
+    fused values' parameter gradient (weights only) gives the logits the model's own gradient."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64, 5, bias=False)).to(DT)
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-0.5, 0.5)
+        model[1].running_var.uniform_(0.5, 1.5)
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].bias.uniform_(-0.5, 0.5)
+    model.eval()
+    x = torch.randn(2, 3, 8, 8, dtype=DT)
+    params = list(model.parameters())
+    fused = Explainer(model, backend="auto")(x, TARGET, create_graph=True)
+    reference = Explainer(model)(x, TARGET, create_graph=True)
+    weights = torch.randn(fused.logits.shape, dtype=DT, generator=torch.Generator().manual_seed(6))
+    for actual, expected in zip(torch.autograd.grad((fused.logits * weights).sum(), params, retain_graph=True),
+                                torch.autograd.grad((model(x) * weights).sum(), params)):
+        _assert_close(actual, expected, RTOL_GRADIENT)
+    for actual, expected in zip(_gradients(fused, params, logits=False), _gradients(reference, params, logits=False)):
+        _assert_close(actual, expected, RTOL_GRADIENT)
