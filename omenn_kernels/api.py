@@ -215,8 +215,8 @@ class Explainer:
                 ``"fixed_multipliers"``: a cheaper surrogate that also holds the
                 multipliers fixed with respect to θ (only the weights and biases inside
                 the linear map are differentiated); ``logit`` and ``logits`` are detached.
-                The fused backend differentiates its ops twice, except attention, which
-                runs its reference rule then, with a warning.
+                The fused backend differentiates its ops twice, except CUDA's attention,
+                which runs its reference rule then, with a warning.
         """
         return self._explained(x, lambda batch, classes, device: _readout(target, batch, classes, device),
                                create_graph, parameter_gradient)

@@ -34,7 +34,6 @@ than 1e-6 relative.
 from __future__ import annotations
 
 import math
-import warnings
 from contextlib import contextmanager
 from typing import Callable, Iterator, NamedTuple
 
@@ -340,10 +339,8 @@ def independent_parameter_gradient(model: nn.Module, x: Tensor, r: LossWeights,
 
 def library_parameter_gradient(model: nn.Module, x: Tensor, r: LossWeights,
                                parameter_gradient: str, backend: str = "reference") -> dict[str, Tensor]:
-    with warnings.catch_warnings():  # the fused attention's fallback is tested in test_create_graph
-        warnings.simplefilter("ignore", RuntimeWarning)
-        e = omenn_kernels.explain(model, x, TARGET, backend=backend, create_graph=True,
-                                  parameter_gradient=parameter_gradient)
+    e = omenn_kernels.explain(model, x, TARGET, backend=backend, create_graph=True,
+                              parameter_gradient=parameter_gradient)
     names, params = zip(*model.named_parameters())
     gradients = torch.autograd.grad(attribution_loss(e.contribution, e.weight, e.bias, r), params)
     return dict(zip(names, gradients))

@@ -200,6 +200,6 @@ def _softmax_outside_gate(op, *args, **kwargs):
 
 
 register([aten.scaled_dot_product_attention],
-         Rule("R6 attention", _sdpa, _fused_sdpa, gate_args=(0, 1, 3)))
+         Rule("R6 attention", _sdpa, _fused_sdpa, fused_devices=("cuda",), gate_args=(0, 1, 3)))
 register([aten.softmax, aten._softmax, aten._safe_softmax],
          Rule("R5 gate", _softmax_outside_gate, may_gate=True, live=False))
