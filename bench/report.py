@@ -101,8 +101,9 @@ def training_across(paths: list[str]) -> str:
     lines = [f"{len(paths)} runs: " + ", ".join(f"`{p}`" for p in paths), ""]
     for group, variants in ratios.items():
         plain = sorted(plains[group])
+        plain_range = f"{plain[0] * 1e3:.1f}–{plain[-1] * 1e3:.1f} ms"
         lines += [f"| {group} | ÷ plain step, median of runs | range |", "|---|---|---|",
-                  f"| plain | {statistics.median(plain) * 1e3:.1f} ms | {plain[0] * 1e3:.1f}–{plain[-1] * 1e3:.1f} ms |"]
+                  f"| plain | {statistics.median(plain) * 1e3:.1f} ms | {plain_range} |"]
         lines += [f"| {variant} | {statistics.median(values):.2f} | {min(values):.2f}–{max(values):.2f} |"
                   for variant, values in variants.items() if variant != "plain"]
         lines.append("")

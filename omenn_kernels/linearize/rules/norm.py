@@ -94,12 +94,13 @@ def _batch_norm_ones_backward_grad(ctx, grad_grad_x, grad_grad_ones):
     grad, scale, shift = ctx.saved_tensors
     grad_grad = grad_scale = grad_shift = None
     if ctx.needs_input_grad[0]:
-        grad_grad = torch.addcmul(grad_grad_x * _channel_view(scale, grad), _channel_view(shift, grad).to(grad.dtype),
-                                  grad_grad_ones)
+        grad_grad = torch.addcmul(grad_grad_x * _channel_view(scale, grad),
+                                  _channel_view(shift, grad).to(grad.dtype), grad_grad_ones)
     if ctx.needs_input_grad[1]:
         grad_scale = (grad_grad_x * grad).sum((0, 2, 3)).to(scale.dtype)
     if ctx.needs_input_grad[2]:
-        grad_shift = torch.matmul(grad.flatten(2), grad_grad_ones.flatten(1).unsqueeze(-1)).sum((0, 2)).to(shift.dtype)
+        per_channel = torch.matmul(grad.flatten(2), grad_grad_ones.flatten(1).unsqueeze(-1))
+        grad_shift = per_channel.sum((0, 2)).to(shift.dtype)
     return grad_grad, grad_scale, grad_shift
 
 
