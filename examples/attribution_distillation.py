@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             "optimizer": "Adam, constant learning rate",
             "logit_loss": "T^2 * KL(teacher softmax_T || student softmax_T) + cross-entropy on the labels",
             "attribution_loss": "1 - cos of the contribution maps of the true class (attribution_distillation "
-                                "defaults: the student on the reference backend with the total parameter "
-                                "gradient, the teacher on the fused backend)",
+                                "defaults: the student on the fused backend, auto, with the total parameter "
+                                "gradient; the teacher first-order on the fused backend)",
             "train_data": f"PartsDataset('train', {len(train_set)}, seed=0), each image once, "
                           f"in a shuffle seeded by --seed",
             "test_data": f"the first {len(test_set)} images of PartsDataset('test', seed=0)",
