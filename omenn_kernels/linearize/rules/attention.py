@@ -174,12 +174,15 @@ def _additive_mask(mask, is_causal: bool, tq: int, tk: int, like: torch.Tensor) 
     return bias
 
 
+_FUSED_DEVICES = ("cuda",)  # the CPU keeps the reference form, which saves A instead of recomputing it
+
+
 def _fused_sdpa(op, *args, **kwargs):
     """R6 through ``omenn::attention`` on CUDA; the reference form elsewhere and for R6'."""
     query, key, value, mask, dropout, is_causal, scale, enable_gqa = arguments(op, args, kwargs)
     q, k = plain(query), plain(key)
     fusable = (isinstance(value, Live) and isinstance(query, (Live, Gate)) and not dropout
-               and value.value.device.type == "cuda" and kernels_available(value.value)
+               and value.value.device.type in _FUSED_DEVICES and kernels_available(value.value)
                and q.shape[-2] == k.shape[-2] and q.dim() == 4)
     if not fusable:
         return _sdpa(op, *args, **kwargs)
@@ -200,6 +203,6 @@ def _softmax_outside_gate(op, *args, **kwargs):
 
 
 register([aten.scaled_dot_product_attention],
-         Rule("R6 attention", _sdpa, _fused_sdpa, fused_devices=("cuda",), gate_args=(0, 1, 3)))
+         Rule("R6 attention", _sdpa, _fused_sdpa, fused_devices=_FUSED_DEVICES, gate_args=(0, 1, 3)))
 register([aten.softmax, aten._softmax, aten._safe_softmax],
          Rule("R5 gate", _softmax_outside_gate, may_gate=True, live=False))

@@ -110,6 +110,13 @@ def _conv2d_ones_fake(x, ones, window_sum, weight, bias, stride, padding, dilati
     return value, torch.empty_like(window_sum, dtype=x.dtype)
 
 
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride, padding, dilation,
+                 groups: int) -> torch.Tensor:
+    """The weight's gradient of ``conv(x, W)`` for the output gradient ``grad`` (differentiable)."""
+    return torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, False,
+                                               [0, 0], groups, [False, True, False])[1]
+
+
 @torch.library.custom_op("omenn::conv2d_input_grad", mutates_args=())
 def conv2d_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride: list[int],
                       padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
@@ -136,9 +143,7 @@ def _conv2d_input_grad_grad(ctx, grad_input):
     if ctx.needs_input_grad[0]:
         grad_grad = F.conv2d(grad_input, weight, None, ctx.stride, ctx.padding, ctx.dilation, ctx.groups)
     if ctx.needs_input_grad[2]:
-        grad_weight = torch.ops.aten.convolution_backward(
-            grad, grad_input, weight, None, ctx.stride, ctx.padding, ctx.dilation, False, [0, 0],
-            ctx.groups, [False, True, False])[1]
+        grad_weight = _weight_grad(grad, grad_input, weight, ctx.stride, ctx.padding, ctx.dilation, ctx.groups)
     return grad_grad, None, grad_weight, None, None, None, None
 
 
@@ -250,9 +255,7 @@ def _pair(value, dims: int = 2) -> list[int]:
 def _conv_parameter_gradients(x: torch.Tensor, weight: torch.Tensor, has_bias: bool, stride, padding,
                               dilation, groups: int):
     def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        grad_weight = torch.ops.aten.convolution_backward(
-            grad, x, weight, None, stride, padding, dilation, False, [0, 0], groups,
-            [False, True, False])[1]
+        grad_weight = _weight_grad(grad, x, weight, stride, padding, dilation, groups)
         return (grad_weight, grad.sum((0, 2, 3))) if has_bias else (grad_weight,)
     return gradients
 
