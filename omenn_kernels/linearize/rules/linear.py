@@ -63,7 +63,10 @@ def _linear_ones_setup(ctx, inputs, output) -> None:
 def _receiving_block(grad: torch.Tensor) -> slice | torch.Tensor | None:
     """The output features that receive a gradient: None (all), a slice (one block, such as
     the value third of qkv) or a boolean mask."""
-    receiving = grad.flatten(0, -2).abs().amax(0) > 0
+    rows = grad.flatten(0, -2)
+    if rows.shape[0] and bool((rows[0] != 0).all()):  # every feature receives: one row shows it
+        return None
+    receiving = rows.abs().amax(0) > 0
     if bool(receiving.all()):
         return None
     features = receiving.nonzero().flatten()
