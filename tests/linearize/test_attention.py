@@ -334,3 +334,29 @@ def test_silu_written_as_gate_equals_silu():
     (cw,) = torch.autograd.grad(out[:, 0].sum(), xg)
     torch.testing.assert_close(e1.weight, cw, rtol=RTOL, atol=ATOL)
     assert_sums_to_logit(e2, silu, x, 0, rtol=1e-10)
+
+
+def test_attended_with_held_values_takes_their_product_and_differentiates_as_without():
+    """With held values (total parameter gradient) ``A·V``'s value is the model's ``A·held``,
+    not a second T×T product; its derivatives, first and second order (through ``A`` and
+    the held values), are those of the product itself (rtol 1e-12)."""
+    g = torch.Generator().manual_seed(17)
+    scores = torch.randn(2, 5, 5, generator=g, dtype=DT).requires_grad_(True)
+    values0 = torch.randn(2, 5, 3, generator=g, dtype=DT)
+    held_scale = torch.ones((), dtype=DT, requires_grad=True)
+    up, down, down_held = (torch.randn(2, 5, 3, generator=g, dtype=DT) for _ in range(3))
+    results = []
+    for with_held in (True, False):
+        weights = torch.softmax(scores, -1)
+        values = values0.clone().requires_grad_(True)
+        held = values0 * held_scale
+        out = attended(weights, Live(values, torch.ones(2, 5, 1, dtype=DT), held if with_held else None))
+        if with_held:
+            assert torch.equal(out.value, out.held)
+        else:
+            out.held = torch.matmul(weights, held)
+        (grad_values,) = torch.autograd.grad((out.value * up).sum(), values, create_graph=True)
+        second = (grad_values * down).sum() + (out.held * down_held).sum()
+        results.append((out.value, out.held, grad_values, *torch.autograd.grad(second, [scores, held_scale])))
+    for held, without in zip(*results):
+        torch.testing.assert_close(held, without, rtol=1e-12, atol=1e-12)

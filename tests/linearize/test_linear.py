@@ -198,3 +198,33 @@ def test_matmul_with_constant_vector():
     cw = torch.outer(model.v.detach(), g[:h * w]) + torch.outer(g[h * w:], model.u.detach())
     torch.testing.assert_close(e.weight, cw.reshape(1, c, h, w).expand(2, c, h, w), rtol=RTOL, atol=ATOL)
     assert_sums_to_logit(e, model, x, 1, rtol=1e-12)
+
+
+def test_fused_linear_with_a_held_output_takes_its_numbers_and_the_rule_derivatives():
+    """With a held forward (total parameter gradient) the fused rule's value is the model's
+    ``held·Wᵀ + b``, not a second product; its derivatives, first and second order, are the
+    reference rule's (rtol 1e-12)."""
+    x0 = rand(2, 5, 4, seed=21)
+    weight = rand(3, 4, seed=22).requires_grad_(True)
+    bias = rand(3, seed=23).requires_grad_(True)
+    held_scale = torch.ones((), dtype=DT, requires_grad=True)  # the held values follow a parameter
+    up, down_x, down_ones, down_held = (rand(*shape, seed=s) for s, shape in
+                                        ((24, (2, 5, 3)), (25, (2, 5, 4)), (26, (2, 5, 1)), (27, (2, 5, 3))))
+    rule = lookup(aten.linear.default)
+    results = []
+    for fused in (True, False):
+        value = x0.clone().requires_grad_(True)
+        ones = torch.ones(2, 5, 1, dtype=DT, requires_grad=True)
+        held = x0 * held_scale
+        if fused:
+            out = rule.fused(aten.linear.default, Live(value, ones, held), weight, bias, value_gradient=False)
+            assert torch.equal(out.value, out.held)
+        else:
+            out = rule.reference(aten.linear.default, Live(value, ones), weight, bias)
+            out.held = torch.nn.functional.linear(held, weight, bias)  # as the executor attaches it
+        grad_x, grad_ones = torch.autograd.grad((out.value * up).sum(), [value, ones], create_graph=True)
+        second = (grad_x * down_x).sum() + (grad_ones * down_ones).sum() + (out.held * down_held).sum()
+        results.append((out.value, out.held, grad_x, grad_ones,
+                        *torch.autograd.grad(second, [weight, bias, held_scale])))
+    for fused, reference in zip(*results):
+        torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)

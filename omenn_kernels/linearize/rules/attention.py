@@ -39,17 +39,24 @@ class _WeightedSum(torch.autograd.Function):
     backward. ``(dYᵀ·A)ᵀ`` equals ``Aᵀ·dY``; written so, its derivative with respect to
     ``A`` is the contiguous ``dY·dV'ᵀ`` rather than a transposed product, which the
     softmax's backward would first copy.
+
+    ``held_product``: the same product computed from held values (the model's own
+    output), whose numbers the result takes instead of multiplying again; the backward
+    reads only ``A``.
     """
 
     @staticmethod
-    def forward(ctx, weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, weights: torch.Tensor, values: torch.Tensor,
+                held_product: Optional[torch.Tensor] = None) -> torch.Tensor:
         ctx.save_for_backward(weights)
+        if held_product is not None:
+            return held_product.detach()
         return torch.matmul(weights, values)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, torch.Tensor, None]:
         (weights,) = ctx.saved_tensors
-        return None, torch.matmul(grad.transpose(-2, -1), weights).transpose(-2, -1)
+        return None, torch.matmul(grad.transpose(-2, -1), weights).transpose(-2, -1), None
 
 
 def attended(weights: torch.Tensor, values: Live, queries_are_tokens: bool = True) -> Live:
@@ -57,14 +64,15 @@ def attended(weights: torch.Tensor, values: Live, queries_are_tokens: bool = Tru
 
     R6 (token identity) when the queries are the value tokens — computed from the
     input and as many — else R6'. Where ``V`` has a held value the result gets
-    ``A·held``: the model's attention output from the weights already computed.
+    ``A·held``: the model's attention output from the weights already computed. The
+    value is then that product's numbers (equal up to rounding), not a second T×T product.
     """
-    value = _WeightedSum.apply(weights, values.value)
+    held = None if values.held is None else torch.matmul(weights, values.held)
+    value = _WeightedSum.apply(weights, values.value, held)
     if queries_are_tokens and weights.shape[-1] == weights.shape[-2]:
         ones = values.ones  # R6: token identity
     else:
         ones = renormalized(torch.matmul(weights, values.ones))  # R6'
-    held = None if values.held is None else torch.matmul(weights, values.held)
     return Live(value, ones, held)
 
 

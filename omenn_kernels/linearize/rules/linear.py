@@ -8,7 +8,9 @@ backward that multiplies only the output features that receive a gradient. Featu
 that only feed gates (the query and key thirds of a fused ``qkv`` projection) get
 none, so ``dX = dY·W`` shrinks to the value third — two of the three products a
 gradient computes there. ``omenn::linear_input_grad`` differentiates again over the same
-features, so explanations differentiable with respect to the parameters run it too.
+features, so explanations differentiable with respect to the parameters run it too; with
+a held forward (the total parameter gradient) the value's numbers are the model's own
+output on the held values, and only that backward is the rule's (``_LinearOfHeld``).
 """
 
 from __future__ import annotations
@@ -136,13 +138,42 @@ def _linear_parameter_gradients(x: torch.Tensor, ones_bar: torch.Tensor):
     return gradients
 
 
+class _LinearOfHeld(torch.autograd.Function):
+    """R1's value with the numbers of the model's own ``held·Wᵀ + b`` (equal up to rounding).
+
+    With a held forward (a total parameter gradient through smooth multipliers) the
+    model's linear runs on the held values anyway; the linearized value needs only its
+    backward, ``dX = dY·W`` (``omenn::linear_input_grad``, which differentiates again) and
+    ``dŌ = dY·b``, so its own product is not computed. ``W`` and ``b`` get their
+    gradient through the held output and through that backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ones_bar: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                held_output: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight, bias)
+        ctx.ones_shape = ones_bar.shape
+        return held_output.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight, bias = ctx.saved_tensors
+        grad_ones_bar = grad.matmul(bias.to(grad.dtype)).unsqueeze(-1).sum_to_size(ctx.ones_shape)
+        return linear_input_grad(grad, weight), grad_ones_bar, None, None, None
+
+
 def _fused_linear(op, *args, value_gradient: bool = False, **kwargs):
-    """R1 through ``omenn::linear_ones`` when the linear has a bias."""
+    """R1 through ``omenn::linear_ones`` when the linear has a bias; from the held output
+    where there is one (:class:`_LinearOfHeld`)."""
     x, weight, bias = arguments(op, args, kwargs)
     if bias is None or not isinstance(x, Live) or isinstance(weight, (Live, Gate)) \
             or isinstance(bias, (Live, Gate)):
         return _linear(op, *args, **kwargs)
     require_reached(x.ones.mean(-1, keepdim=True))
+    if x.held is not None:
+        held = F.linear(x.held, weight, bias)
+        ones_bar = x.ones.mean(-1, keepdim=True)
+        return Live(_LinearOfHeld.apply(x.value, ones_bar, weight, bias, held), ones_bar, held)
     ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
     value, ones_bar = linear_ones(x.value, ones, weight, bias)
     if value_gradient:  # the weight's and bias's gradient on a node of its own (Rule.fused_differentiable)
