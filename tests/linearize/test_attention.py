@@ -27,8 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from omenn_kernels import UnsupportedOpError, explain
-from omenn_kernels.linearize.rules.attention import attended
-from omenn_kernels.linearize.values import Live
+from omenn_kernels.linearize.rules import attention
+from omenn_kernels.linearize.rules.attention import attended, attention_weights
+from omenn_kernels.linearize.values import Gate, Live
 from rule_checks import (ATOL, DT, SqueezeExcite, assert_complete, assert_sums_to_logit, rand, randomize,
                          tokens)
 
@@ -360,3 +361,48 @@ def test_attended_with_held_values_takes_their_product_and_differentiates_as_wit
         results.append((out.value, out.held, grad_values, *torch.autograd.grad(second, [scores, held_scale])))
     for held, without in zip(*results):
         torch.testing.assert_close(held, without, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_bytes", [450, 1 << 20], ids=["chunks_of_two_heads", "one_chunk"])
+@pytest.mark.parametrize("readouts", [1, 2])
+@pytest.mark.parametrize("terms", ["both", "explanation", "held"])
+def test_sdpa_with_held_values_equals_the_weights_written_out_to_second_order(monkeypatch, chunk_bytes,
+                                                                             readouts, terms):
+    """Self-attention with held Q, K, V that follow the parameters (a total parameter gradient)
+    runs the model's attention and the two backwards of ``A·V`` in chunks of heads, with
+    ``A``'s two gradients added before one softmax backward; against ``A`` written out with
+    autograd: the value and held numbers, the explanation's ``dV`` and the second-order
+    gradients with respect to Q, K and the held V (rtol 1e-12), for one read-out (``A``'s
+    gradient passed as factors) and two (passed as T×T), with the held output's gradient,
+    the explanation's, or both."""
+    monkeypatch.setattr(attention, "_CHUNK_BYTES", chunk_bytes)  # 5×5 float64 weights: 200 bytes a head
+    g = torch.Generator().manual_seed(19)
+    shape = (2, 3, 5, 4)  # 6 heads of 5 tokens
+
+    def randn(*size):
+        return torch.randn(*size, generator=g, dtype=DT)
+
+    query, key, held = (randn(*shape).requires_grad_(True) for _ in range(3))
+    values0, ones = randn(*shape), torch.ones(2, 3, 5, 1, dtype=DT)
+    ups, downs = [randn(*shape) for _ in range(readouts)], [randn(*shape) for _ in range(readouts)]
+    down_held = randn(*shape)
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    results = []
+    for written_out in (False, True):
+        values = values0.clone().requires_grad_(True)
+        if written_out:
+            out = attended(attention_weights(query, key, None, False, None, False), Live(values, ones, held))
+        else:
+            out = attention._sdpa(sdpa, Gate(query), Gate(key), Live(values, ones, held))
+        loss = 0.0
+        if terms != "held":
+            for up, down in zip(ups, downs):
+                (grad_values,) = torch.autograd.grad((out.value * up).sum(), values, create_graph=True)
+                loss = loss + (grad_values * down).sum()
+        if terms != "explanation":
+            loss = loss + (out.held * down_held).sum()
+        results.append((out.value, out.held, *torch.autograd.grad(loss, [query, key, held], allow_unused=True,
+                                                                  materialize_grads=True)))
+    assert torch.equal(results[0][0], results[0][1])
+    for chunked, written in zip(*results):
+        torch.testing.assert_close(chunked, written, rtol=1e-12, atol=1e-12)
