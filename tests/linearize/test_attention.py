@@ -406,3 +406,26 @@ def test_sdpa_with_held_values_equals_the_weights_written_out_to_second_order(mo
     assert torch.equal(results[0][0], results[0][1])
     for chunked, written in zip(*results):
         torch.testing.assert_close(chunked, written, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_bytes", [450, 1 << 20], ids=["chunks_of_two_heads", "one_chunk"])
+def test_sdpa_with_constant_weights_in_chunks_equals_the_weights_written_out(monkeypatch, chunk_bytes):
+    """Constant Q and K (first-order explanations, fixed multipliers): the weights and ``A·V`` are
+    computed in chunks of heads; the value, ``dV`` and the second-order gradient through ``dV``
+    equal those of ``A`` written out (rtol 1e-12)."""
+    monkeypatch.setattr(attention, "_CHUNK_BYTES", chunk_bytes)
+    g = torch.Generator().manual_seed(23)
+    shape = (2, 3, 5, 4)
+    query, key, values0, up, down = (torch.randn(*shape, generator=g, dtype=DT) for _ in range(5))
+    up_scale = torch.ones((), dtype=DT, requires_grad=True)  # the incoming gradient follows a parameter
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    results = []
+    for written_out in (False, True):
+        values = values0.clone().requires_grad_(True)
+        live = Live(values, torch.ones(2, 3, 5, 1, dtype=DT))
+        out = (attended(attention_weights(query, key, None, False, None, False), live) if written_out
+               else attention._sdpa(sdpa, Gate(query), Gate(key), live))
+        (grad_values,) = torch.autograd.grad((out.value * up * up_scale).sum(), values, create_graph=True)
+        results.append((out.value, grad_values, *torch.autograd.grad((grad_values * down).sum(), up_scale)))
+    for chunked, written in zip(*results):
+        torch.testing.assert_close(chunked, written, rtol=1e-12, atol=1e-12)

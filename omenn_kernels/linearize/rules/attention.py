@@ -47,17 +47,17 @@ class _WeightedSum(torch.autograd.Function):
     ``A`` is the contiguous ``dY·dV'ᵀ`` rather than a transposed product, which the
     softmax's backward would first copy.
 
-    ``held_product``: the same product computed from held values (the model's own
-    output), whose numbers the result takes instead of multiplying again; the backward
-    reads only ``A``.
+    ``product``: the same product computed already (from held values: the model's own
+    output; or in chunks of heads), whose numbers the result takes instead of multiplying
+    again; the backward reads only ``A``.
     """
 
     @staticmethod
     def forward(ctx, weights: torch.Tensor, values: torch.Tensor,
-                held_product: Optional[torch.Tensor] = None) -> torch.Tensor:
+                product: Optional[torch.Tensor] = None) -> torch.Tensor:
         ctx.save_for_backward(weights)
-        if held_product is not None:
-            return held_product.detach()
+        if product is not None:
+            return product.detach()
         return torch.matmul(weights, values)
 
     @staticmethod
@@ -97,6 +97,20 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-2:])
 
 
+def _weights_and_product(query: torch.Tensor, key: torch.Tensor, values: torch.Tensor,
+                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``A = softmax(QKᵀ·s)`` and ``A·V`` (no autograd), the scores only ever one chunk of heads
+    at a time (:func:`_head_chunks`)."""
+    q, k, v = _rows(query), _rows(key), _rows(values)
+    heads, tq, tk = q.shape[0], q.shape[1], k.shape[1]
+    weights, out = q.new_empty(heads, tq, tk), q.new_empty(heads, tq, v.shape[-1])
+    for rows in _head_chunks(heads, tq, tk, q):
+        torch.softmax(torch.matmul(q[rows] * scale, k[rows].transpose(-2, -1)), -1, out=weights[rows])
+        torch.matmul(weights[rows], v[rows], out=out[rows])
+    batch = query.shape[:-2]
+    return weights.view(*batch, tq, tk), out.view(*batch, tq, v.shape[-1])
+
+
 class _HeldAttention(torch.autograd.Function):
     """The model's attention ``softmax(QKᵀ·s)·V`` on held values that follow the parameters
     (a total parameter gradient), returning the weights ``A`` it computed as well.
@@ -113,21 +127,15 @@ class _HeldAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, key: torch.Tensor, values: torch.Tensor, scale: float):
-        q, k, v = _rows(query), _rows(key), _rows(values)
-        heads, tq, tk = q.shape[0], q.shape[1], k.shape[1]
-        weights, out = q.new_empty(heads, tq, tk), q.new_empty(heads, tq, v.shape[-1])
-        for rows in _head_chunks(heads, tq, tk, q):
-            torch.softmax(torch.matmul(q[rows] * scale, k[rows].transpose(-2, -1)), -1, out=weights[rows])
-            torch.matmul(weights[rows], v[rows], out=out[rows])
-        batch = query.shape[:-2]
-        weights = weights.view(*batch, tq, tk)
+        weights, out = _weights_and_product(query, key, values, scale)
+        batch, (tq, tk) = query.shape[:-2], weights.shape[-2:]
         factors = query.new_zeros(()).expand(*batch, tq + tk, values.shape[-1])
         dense = query.new_zeros(()).expand(*batch, tq, tk)
         ctx.scale = scale
         ctx.save_for_backward(query, key, values, weights)
         ctx.mark_non_differentiable(weights)
         ctx.set_materialize_grads(False)
-        return weights, out.view(*batch, tq, v.shape[-1]), factors, dense
+        return weights, out, factors, dense
 
     @staticmethod
     @once_differentiable
@@ -242,9 +250,15 @@ def _sdpa(op, *args, **kwargs):
         held = None if value.held is None else value.held.repeat_interleave(repeat, dim=-3)
         value = Live(value.value.repeat_interleave(repeat, dim=-3), ones, held)
     queries_are_tokens = isinstance(query, (Live, Gate))
-    if (value.held is not None and mask is None and not is_causal and queries_are_tokens
-            and q.shape[-2] == k.shape[-2] and q.shape[:-2] == k.shape[:-2] == value.held.shape[:-2]):
-        return _attended_with_held(q, k, value, scale)
+    if (mask is None and not is_causal and queries_are_tokens and q.shape[-2] == k.shape[-2]
+            and q.shape[:-2] == k.shape[:-2] == value.value.shape[:-2]):
+        if value.held is not None:
+            return _attended_with_held(q, k, value, scale)
+        if not q.requires_grad and not k.requires_grad:  # constant weights: the product in chunks too
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            with torch.no_grad():
+                weights, product = _weights_and_product(q, k, value.value, scale)
+            return Live(_WeightedSum.apply(weights, value.value, product), value.ones)
     weights = attention_weights(q, k, mask, is_causal, scale, False)
     return attended(weights, value, queries_are_tokens=queries_are_tokens)
 
