@@ -429,3 +429,21 @@ def test_sdpa_with_constant_weights_in_chunks_equals_the_weights_written_out(mon
         results.append((out.value, grad_values, *torch.autograd.grad((grad_values * down).sum(), up_scale)))
     for chunked, written in zip(*results):
         torch.testing.assert_close(chunked, written, rtol=1e-12, atol=1e-12)
+
+
+def test_third_derivative_through_held_attention_is_refused():
+    """The held attention's second-order backwards return A's gradient as factors: a third
+    differentiation would miss terms, so it raises instead."""
+    g = torch.Generator().manual_seed(29)
+    query, key, held = (torch.randn(1, 2, 4, 3, generator=g, dtype=DT).requires_grad_(True) for _ in range(3))
+
+    def second_order_loss() -> torch.Tensor:
+        values = held.detach().clone().requires_grad_(True)
+        out = attention._sdpa(torch.ops.aten.scaled_dot_product_attention.default, Gate(query), Gate(key),
+                              Live(values, torch.ones(1, 2, 4, 1, dtype=DT), held))
+        (grad_values,) = torch.autograd.grad(out.value.square().sum(), values, create_graph=True)
+        return grad_values.square().sum() + out.held.sum()
+
+    assert all(bool(torch.isfinite(d).all()) for d in torch.autograd.grad(second_order_loss(), [query, key]))
+    with pytest.raises(RuntimeError, match="differentiated twice, not three times"):
+        torch.autograd.grad(second_order_loss(), [query, key], create_graph=True)

@@ -18,7 +18,7 @@ With held values that follow the parameters (a total parameter gradient, where a
 explanation inside a loss is differentiated twice), self-attention without a mask runs
 :class:`_HeldAttention`: the model's attention on the held values, whose numbers the
 linearized ``A·V`` takes, and one backward for both of ``A``'s gradients, in chunks of
-heads on the CPU. Those backwards differentiate once more only (third derivatives raise).
+heads on the CPU. A third differentiation raises a clear error there.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import math
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..fused import kernels_available
 from ..registry import Rule, RuleError, arguments, register
@@ -111,6 +110,18 @@ def _weights_and_product(query: torch.Tensor, key: torch.Tensor, values: torch.T
     return weights.view(*batch, tq, tk), out.view(*batch, tq, v.shape[-1])
 
 
+def _refuse_third_derivative() -> None:
+    """The backwards that end an explanation's second differentiation are not differentiable
+    again (``A``'s gradient arrives as factors, ``A`` itself without a graph): raise rather
+    than return a third derivative that misses terms."""
+    if torch.is_grad_enabled():  # a backward with create_graph=True
+        raise RuntimeError(
+            "omenn_kernels: an explanation differentiable with respect to the parameters "
+            "(create_graph=True, parameter_gradient='total') of a model with attention can be "
+            "differentiated twice, not three times; run the backward of a loss of the explanation "
+            "without create_graph=True")
+
+
 class _HeldAttention(torch.autograd.Function):
     """The model's attention ``softmax(QKᵀ·s)·V`` on held values that follow the parameters
     (a total parameter gradient), returning the weights ``A`` it computed as well.
@@ -138,8 +149,8 @@ class _HeldAttention(torch.autograd.Function):
         return weights, out, factors, dense
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, _grad_weights, grad_out, grad_factors, grad_dense):
+        _refuse_third_derivative()
         query, key, values, weights = ctx.saved_tensors
         if grad_out is None and grad_factors is None and grad_dense is None:
             return None, None, None, None
@@ -202,8 +213,8 @@ class _TransposedWeightedSum(torch.autograd.Function):
         return torch.matmul(grad.transpose(-2, -1), weights).transpose(-2, -1)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_grad_values: torch.Tensor):
+        _refuse_third_derivative()
         weights, grad = ctx.saved_tensors
         grad_grad = torch.matmul(weights, grad_grad_values) if ctx.needs_input_grad[1] else None
         if ctx.backwards[0] > 1:
