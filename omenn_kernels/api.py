@@ -210,11 +210,12 @@ class Explainer:
                 the parameters θ is. ``"total"``: the total derivative of ``C(θ)``: the
                 multipliers (``ξ``, ``1/σ``, attention weights) are held constant with
                 respect to the input, as always, but follow θ; it equals finite
-                differences of ``C``, and costs one more forward of the model, whose
-                output ``logits`` is then the model's own (differentiable) output.
-                ``"fixed_multipliers"``: a cheaper surrogate that also holds the
-                multipliers fixed with respect to θ (only the weights and biases inside
-                the linear map are differentiated); ``logit`` and ``logits`` are detached.
+                differences of ``C``. It runs the model's own forward on held values
+                (whose products the linear layers and attention reuse), and ``logits``
+                is then the model's own (differentiable) output.
+                ``"fixed_multipliers"``: a surrogate that also holds the multipliers
+                fixed with respect to θ (only the weights and biases inside the linear
+                map are differentiated); ``logit`` and ``logits`` are detached.
                 The fused backend differentiates its ops twice, except CUDA's attention,
                 which runs its reference rule then, with a warning.
         """

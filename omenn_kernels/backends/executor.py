@@ -6,8 +6,9 @@ in the implementation they pick for each rule (reference math or a fused op).
 Explanations differentiable with respect to the parameters (``parameter_gradient``):
 the parameters are bound without detaching them and the backward keeps its graph.
 With ``"total"`` the forward also runs every LIVE operation on the ``held`` values
-(unless its rule computed the held result itself, as attention does from the weights
-it holds), which is the model's own forward of the detached input: the multipliers computed from
+(unless its rule computed the held result itself: attention from the weights it holds,
+and the fused linear, whose linearized value then takes the held result's numbers), which
+is the model's own forward of the detached input: the multipliers computed from
 it are constant with respect to the input but follow the parameters, so the gradient
 of ``C`` with respect to the parameters is its total derivative. A program whose
 multipliers are all piecewise constant (ReLU, max pooling, eval-mode BatchNorm: no gate
