@@ -86,7 +86,7 @@ _CHUNK_BYTES = 1 << 20  # on the CPU, T×T blocks of about this size stay in cac
 
 
 def _head_chunks(heads: int, tq: int, tk: int, like: torch.Tensor) -> list[slice]:
-    """Slices of the flattened (batch·heads) dimension for :class:`_HeldAttention`: one on
+    """Slices of the flattened (batch·heads) dimension for attention in chunks: one on
     accelerators (a launch per chunk would cost more), blocks of ~1 MiB on the CPU."""
     step = heads if like.device.type != "cpu" else max(1, _CHUNK_BYTES // (tq * tk * like.element_size()))
     return [slice(start, min(start + step, heads)) for start in range(0, heads, step)]
@@ -222,9 +222,8 @@ class _TransposedWeightedSum(torch.autograd.Function):
         return None, grad_grad, torch.cat([grad, grad_grad_values], -2), None, None
 
 
-def _attended_with_held(query: torch.Tensor, key: torch.Tensor, values: Live, scale) -> Live:
+def _attended_with_held(query: torch.Tensor, key: torch.Tensor, values: Live, scale: float) -> Live:
     """R6 through :class:`_HeldAttention` (self-attention, no mask, held values)."""
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     weights, held, factors, dense = _HeldAttention.apply(query, key, values.held, scale)
     value = _LinkedWeightedSum.apply(weights, values.value, held, factors, dense, [0])
     return Live(value, values.ones, held)
@@ -261,12 +260,12 @@ def _sdpa(op, *args, **kwargs):
         held = None if value.held is None else value.held.repeat_interleave(repeat, dim=-3)
         value = Live(value.value.repeat_interleave(repeat, dim=-3), ones, held)
     queries_are_tokens = isinstance(query, (Live, Gate))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if (mask is None and not is_causal and queries_are_tokens and q.shape[-2] == k.shape[-2]
             and q.shape[:-2] == k.shape[:-2] == value.value.shape[:-2]):
         if value.held is not None:
             return _attended_with_held(q, k, value, scale)
         if not q.requires_grad and not k.requires_grad:  # constant weights: the product in chunks too
-            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
             with torch.no_grad():
                 weights, product = _weights_and_product(q, k, value.value, scale)
             return Live(_WeightedSum.apply(weights, value.value, product), value.ones)
