@@ -211,7 +211,7 @@ class Explainer:
                 multipliers (``ξ``, ``1/σ``, attention weights) are held constant with
                 respect to the input, as always, but follow θ; it equals finite
                 differences of ``C``. It runs the model's own forward on held values
-                (whose products the linear layers and attention reuse), and ``logits``
+                (whose products attention and the fused linear layers reuse), and ``logits``
                 is then the model's own (differentiable) output.
                 ``"fixed_multipliers"``: a surrogate that also holds the multipliers
                 fixed with respect to θ (only the weights and biases inside the linear
