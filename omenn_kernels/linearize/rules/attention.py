@@ -262,7 +262,8 @@ def _sdpa(op, *args, **kwargs):
     queries_are_tokens = isinstance(query, (Live, Gate))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if (mask is None and not is_causal and queries_are_tokens and q.shape[-2] == k.shape[-2]
-            and q.shape[:-2] == k.shape[:-2] == value.value.shape[:-2]):
+            and q.shape[:-2] == k.shape[:-2] == value.value.shape[:-2]
+            and not torch.is_autocast_enabled(q.device.type)):  # chunks write into buffers of one dtype
         if value.held is not None:
             return _attended_with_held(q, k, value, scale)
         if not q.requires_grad and not k.requires_grad:  # constant weights: the product in chunks too
