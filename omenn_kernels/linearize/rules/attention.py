@@ -157,7 +157,7 @@ class _HeldAttention(torch.autograd.Function):
         q, k, v, weights = _rows(query), _rows(key), _rows(values), _rows(weights)
         heads, tq, tk = weights.shape
         grad_out = None if grad_out is None else _rows(grad_out)
-        factors = [] if grad_factors is None else [(_rows(grad_factors)[:, :tq], _rows(grad_factors)[:, tq:])]
+        factors = [] if grad_factors is None else [(f[:, :tq], f[:, tq:]) for f in [_rows(grad_factors)]]
         products = ([] if grad_out is None else [(grad_out, v)]) + factors  # dA = Σ left·rightᵀ
         dense = None if grad_dense is None else _rows(grad_dense)
         grad_q, grad_k = torch.empty_like(q), torch.empty_like(k)
