@@ -15,7 +15,9 @@ multipliers are all piecewise constant (ReLU, max pooling, eval-mode BatchNorm: 
 and no rule with ``held_multipliers``) skips the held forward: its multipliers do not
 change with the parameters, so the total derivative is the one with them held, and the
 linearized logits carry the model's own parameter gradient. With
-``"fixed_multipliers"`` the multipliers stay detached from the parameters too.
+``"fixed_multipliers"`` the multipliers stay detached from the parameters too, gates
+included: attention weights from query and key projections of their own, or a
+squeeze-excitation branch, are computed with the parameters and then detached.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ ParameterGradient = Literal["total", "fixed_multipliers"]
 PARAMETER_GRADIENTS: tuple[str, ...] = ("total", "fixed_multipliers")
 
 
-def _as_gate(result):
+def _as_gate(result, detached: bool):
     if isinstance(result, torch.Tensor):
-        return Gate(result)
+        return Gate(result.detach() if detached else result)
     if isinstance(result, (list, tuple)):
-        return type(result)(_as_gate(r) for r in result)
+        return type(result)(_as_gate(r, detached) for r in result)
     return result
 
 
@@ -94,8 +96,9 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
         kwargs = _lookup_env(env, node.kwargs)
         if step.kind is Kind.CONST:  # may read only the shape of a LIVE argument
             env[node.name] = node.target(*plain(args), **plain(kwargs))
-        elif step.kind is Kind.GATE:
-            env[node.name] = _as_gate(node.target(*plain(args), **plain(kwargs)))
+        elif step.kind is Kind.GATE:  # fixed multipliers: a gate computed with parameters ignores them
+            env[node.name] = _as_gate(node.target(*plain(args), **plain(kwargs)),
+                                      detached=parameter_gradient == "fixed_multipliers")
         else:
             try:
                 env[node.name] = implementation(step.rule)(node.target, *args, **kwargs)

@@ -15,6 +15,8 @@
   gradients (rtol 1e-9).
 * Piecewise-constant multipliers only (ReLU, max pooling, eval BatchNorm): no held
   forward runs, and the total gradient equals the fixed-multiplier one (rtol 1e-12).
+* Fixed multipliers hold gates computed with parameters fixed too: query and key
+  projections of their own and a sigmoid gate's projection get no gradient.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omenn_kernels import Explainer, explain
@@ -31,6 +34,7 @@ from omenn_kernels.backends import executor
 from omenn_kernels.capture import eval_semantics
 from omenn_kernels.linearize import registry, values
 from omenn_kernels.linearize.rules import conv
+from omenn_kernels.testing import randomize_
 from differentiable_models import DT, MODELS
 
 RTOL_SAME = 1e-12
@@ -231,3 +235,42 @@ def test_fused_value_gradient_without_biases():
         _assert_close(actual, expected, RTOL_GRADIENT)
     for actual, expected in zip(_gradients(fused, params, logits=False), _gradients(reference, params, logits=False)):
         _assert_close(actual, expected, RTOL_GRADIENT)
+
+
+class _GatesFromParameters(nn.Module):
+    """Pixel tokens; query, key and value projections of their own into SDPA; the result
+    scaled by a sigmoid of another projection (a squeeze-excitation style gate); a head.
+    The query and key projections and the gate's projection feed only gates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.query, self.key, self.value, self.gate = (nn.Linear(3 if i == 0 else 8, 8)
+                                                                   for i in range(5))
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.flatten(2).transpose(1, 2))
+        heads = [projection(tokens).unsqueeze(1) for projection in (self.query, self.key, self.value)]
+        attended = F.scaled_dot_product_attention(*heads).squeeze(1)
+        return self.head((attended * torch.sigmoid(self.gate(tokens))).flatten(1))
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_fixed_multipliers_hold_gates_computed_with_parameters(backend):
+    """With fixed multipliers the parameters that only feed gates (attention weights from
+    query/key projections of their own, a sigmoid gate's projection) get no gradient from
+    the explanation; with the total derivative they do (> 1e-6)."""
+    torch.manual_seed(7)
+    model = randomize_(_GatesFromParameters(), seed=7, scale=0.5).to(DT)
+    x = torch.randn(2, 3, 2, 2, dtype=DT)
+    feeding_gates = [model.query.weight, model.query.bias, model.key.weight, model.gate.weight, model.gate.bias]
+    for parameter_gradient in ("fixed_multipliers", "total"):
+        explanation = explain(model, x, TARGET, backend=backend, create_graph=True,
+                              parameter_gradient=parameter_gradient)
+        gradients = torch.autograd.grad(explanation.contribution.square().sum(), feeding_gates,
+                                        allow_unused=True, materialize_grads=True)
+        largest = [float(g.abs().max()) for g in gradients]
+        if parameter_gradient == "fixed_multipliers":
+            assert largest == [0.0] * len(largest)
+        else:
+            assert min(largest) > 1e-6
