@@ -96,18 +96,16 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, *t.shape[-2:])
 
 
-def _weights_and_product(query: torch.Tensor, key: torch.Tensor, values: torch.Tensor,
+def _weights_and_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``A = softmax(QKᵀ·s)`` and ``A·V`` (no autograd), the scores only ever one chunk of heads
-    at a time (:func:`_head_chunks`)."""
-    q, k, v = _rows(query), _rows(key), _rows(values)
+    """``A = softmax(QKᵀ·s)`` and ``A·V`` (no autograd) for (heads, T, E) rows (:func:`_rows`),
+    the scores only ever one chunk of heads at a time (:func:`_head_chunks`)."""
     heads, tq, tk = q.shape[0], q.shape[1], k.shape[1]
     weights, out = q.new_empty(heads, tq, tk), q.new_empty(heads, tq, v.shape[-1])
     for rows in _head_chunks(heads, tq, tk, q):
         torch.softmax(torch.matmul(q[rows] * scale, k[rows].transpose(-2, -1)), -1, out=weights[rows])
         torch.matmul(weights[rows], v[rows], out=out[rows])
-    batch = query.shape[:-2]
-    return weights.view(*batch, tq, tk), out.view(*batch, tq, v.shape[-1])
+    return weights, out
 
 
 def _refuse_third_derivative() -> None:
@@ -138,12 +136,17 @@ class _HeldAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, key: torch.Tensor, values: torch.Tensor, scale: float):
-        weights, out = _weights_and_product(query, key, values, scale)
+        q, k, v = _rows(query), _rows(key), _rows(values)
+        weights, out = _weights_and_product(q, k, v, scale)
         batch, (tq, tk) = query.shape[:-2], weights.shape[-2:]
+        weights, out = weights.view(*batch, tq, tk), out.view(*batch, tq, v.shape[-1])
         factors = query.new_zeros(()).expand(*batch, tq + tk, values.shape[-1])
         dense = query.new_zeros(()).expand(*batch, tq, tk)
-        ctx.scale = scale
-        ctx.save_for_backward(query, key, values, weights)
+        ctx.scale, ctx.shapes = scale, (query.shape, key.shape, values.shape)
+        # The rows (copies where the heads are strided views), not the inputs: never reshaped
+        # twice. This backward is not differentiated again (_refuse_third_derivative).
+        ctx.rows = q, k, v
+        ctx.save_for_backward(weights)
         ctx.mark_non_differentiable(weights)
         ctx.set_materialize_grads(False)
         return weights, out, factors, dense
@@ -151,10 +154,11 @@ class _HeldAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad_weights, grad_out, grad_factors, grad_dense):
         _refuse_third_derivative()
-        query, key, values, weights = ctx.saved_tensors
+        (weights,) = ctx.saved_tensors
         if grad_out is None and grad_factors is None and grad_dense is None:
             return None, None, None, None
-        q, k, v, weights = _rows(query), _rows(key), _rows(values), _rows(weights)
+        (q, k, v), weights = ctx.rows, _rows(weights)
+        query_shape, key_shape, values_shape = ctx.shapes
         heads, tq, tk = weights.shape
         grad_out = None if grad_out is None else _rows(grad_out)
         factors = [] if grad_factors is None else [(f[:, :tq], f[:, tq:]) for f in [_rows(grad_factors)]]
@@ -176,8 +180,8 @@ class _HeldAttention(torch.autograd.Function):
             torch.matmul(grad_scores.transpose(-2, -1), q[rows], out=grad_k[rows])
             if grad_v is not None:
                 torch.matmul(a.transpose(-2, -1), grad_out[rows], out=grad_v[rows])
-        return (grad_q.view(query.shape), grad_k.view(key.shape),
-                None if grad_v is None else grad_v.view(values.shape), None)
+        return (grad_q.view(query_shape), grad_k.view(key_shape),
+                None if grad_v is None else grad_v.view(values_shape), None)
 
 
 class _LinkedWeightedSum(torch.autograd.Function):
@@ -268,8 +272,11 @@ def _sdpa(op, *args, **kwargs):
             return _attended_with_held(q, k, value, scale)
         if not q.requires_grad and not k.requires_grad:  # constant weights: the product in chunks too
             with torch.no_grad():
-                weights, product = _weights_and_product(q, k, value.value, scale)
-            return Live(_WeightedSum.apply(weights, value.value, product), value.ones)
+                weights, product = _weights_and_product(_rows(q), _rows(k), _rows(value.value), scale)
+            shape = q.shape[:-1]
+            value_out = _WeightedSum.apply(weights.view(*shape, k.shape[-2]), value.value,
+                                           product.view(*shape, value.value.shape[-1]))
+            return Live(value_out, value.ones)
     weights = attention_weights(q, k, mask, is_causal, scale, False)
     return attended(weights, value, queries_are_tokens=queries_are_tokens)
 

@@ -192,7 +192,10 @@ def _conv2d_ones_backward_grad(ctx, grad_ones_in):
     share = torch.where(empty, 0.0, gathered / torch.where(empty, 1.0, window_sum)).to(grad.dtype)
     grad_grad = share * bias.to(grad.dtype).view(1, -1, 1, 1) if ctx.needs_input_grad[0] else None
     grad_grad_ones = share.sum_to_size(ctx.grad_ones_shape) if ctx.needs_input_grad[1] else None
-    grad_bias = (share * grad).sum((0, 2, 3)).to(bias.dtype) if ctx.needs_input_grad[2] else None
+    grad_bias = None
+    if ctx.needs_input_grad[2]:  # Σ share·grad per channel as a batched product, as BatchNorm's shift
+        per_channel = torch.matmul(grad.flatten(2), share.flatten(2).transpose(1, 2))
+        grad_bias = per_channel.sum((0, 2)).to(bias.dtype)
     return grad_grad, grad_grad_ones, grad_bias, None, None, None, None, None, None
 
 
