@@ -7,9 +7,23 @@
 - :mod:`.methods` wraps OMENN and the established methods it is compared with;
 - :mod:`.benchmark` runs everything on the shipped models
   (``python -m omenn_kernels.evaluation.benchmark``).
+
+The scoring modules need the ``eval`` extras (scipy, captum, zennit, quantus); the data
+set does not. Names are therefore imported on first use, so that ``omenn demo`` and
+training on the parts data set run on a plain install.
 """
 
-from .funnybirds import FunnyBirdsScores, evaluate
-from .parts_dataset import SLOTS, PartsDataset, collate_parts
+from __future__ import annotations
 
-__all__ = ["SLOTS", "FunnyBirdsScores", "PartsDataset", "collate_parts", "evaluate"]
+import importlib
+
+_EXPORTS = {"SLOTS": ".parts_dataset", "PartsDataset": ".parts_dataset", "collate_parts": ".parts_dataset",
+            "FunnyBirdsScores": ".funnybirds", "evaluate": ".funnybirds"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
