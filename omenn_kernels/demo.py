@@ -19,6 +19,7 @@ from PIL import Image
 from .bulk.overlays import completeness, write_overlays
 from .bulk.run import RunConfig, explain_folder
 from .bulk.store import AttributionStore
+from .errors import StoreError
 from .evaluation.parts_dataset import PartsDataset
 
 log = logging.getLogger("omenn_kernels.demo")
@@ -45,7 +46,7 @@ def run_demo(out: Path, *, model: str = "parts_vit", images: int = 8, backend: s
     out = Path(out)
     folder, store_path = out / "images", out / "attributions.zarr"
     if (out / "images").exists() or store_path.exists():
-        raise FileExistsError(f"{out} holds an earlier demo; remove it or pass another --out")
+        raise StoreError(f"{out} holds an earlier demo; remove it or pass another --out")
     draw_images(folder, images)
     log.info("drew %d test images of the parts data set into %s", images, folder)
     explain_folder(RunConfig(source=folder, out=store_path, model=model, targets=DEMO_TARGETS,

@@ -41,3 +41,23 @@ class TargetError(OmennError, ValueError):
 
 class InputTypeError(OmennError, TypeError):
     """The input is not a floating-point tensor of the model's dtype."""
+
+
+class StoreError(OmennError, ValueError):
+    """An attribution store cannot be created, opened, replaced or written as asked."""
+
+
+class StoreLockedError(StoreError):
+    """Another process is writing the attribution store."""
+
+
+class ModelLoadError(OmennError, ValueError):
+    """A model name, or a weights file, that cannot be loaded as the model asked for."""
+
+
+class ImageSourceError(OmennError, ValueError):
+    """An image folder that cannot be explained as given (missing, empty, mixed, bad class folders)."""
+
+
+class OptionError(OmennError, ValueError):
+    """A run option (device, dtype, batch size, ...) that is not valid."""
