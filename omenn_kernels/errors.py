@@ -59,5 +59,9 @@ class ImageSourceError(OmennError, ValueError):
     """An image folder that cannot be explained as given (missing, empty, mixed, bad class folders)."""
 
 
+class ImageDecodeError(OmennError, ValueError):
+    """An image whose mode or values cannot be decoded into an RGB image with values in [0, 1]."""
+
+
 class OptionError(OmennError, ValueError):
     """A run option (device, dtype, batch size, ...) that is not valid."""

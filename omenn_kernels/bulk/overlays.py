@@ -8,7 +8,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..errors import ImageSourceError, OptionError, StoreError
 from ..visualize import overlay_grid, postprocess
+from .images import transform_image
 from .model_source import image_transform
 from .store import EXPLAINED, AttributionStore
 from .targets import NO_CLASS
@@ -54,17 +56,19 @@ def write_overlays(store: AttributionStore, out: str | Path, *, indices: list[in
             smoothed) instead of the raw signed ones.
 
     Raises:
-        ValueError: no explained image to draw, or an index that is not explained.
-        FileNotFoundError: an image file is no longer in the source folder.
+        StoreError: the store holds no explained image to draw.
+        OptionError: an index that is out of range or not explained.
+        ImageSourceError: an image file is no longer in the source folder.
+        ImageDecodeError: an image file that no longer decodes.
     """
     status = store.status()
     if indices is None:
         indices = np.flatnonzero(status == EXPLAINED)[:limit].tolist()
     if not indices:
-        raise ValueError("the store holds no explained image to draw")
+        raise StoreError("the store holds no explained image to draw")
     not_explained = [i for i in indices if not 0 <= i < store.num_images or status[i] != EXPLAINED]
     if not_explained:
-        raise ValueError(f"images {not_explained} are not explained in the store (out of range, failed or pending)")
+        raise OptionError(f"images {not_explained} are not explained in the store (out of range, failed or pending)")
     indices = indices[:limit]
     root = Path(source or store.attrs["source"])
     paths = store.paths()
@@ -73,9 +77,9 @@ def write_overlays(store: AttributionStore, out: str | Path, *, indices: list[in
     for i in indices:
         file = root / paths[i]
         if not file.is_file():
-            raise FileNotFoundError(f"image {i} ({paths[i]}) is not in {root}; pass the source folder")
+            raise ImageSourceError(f"image {i} ({paths[i]}) is not in {root}; pass the source folder")
         with Image.open(file) as image:
-            images.append(display(image.convert("RGB")))
+            images.append(transform_image(image, display))
     images_tensor = torch.stack(images)
     contributions = torch.from_numpy(store.read("contribution", indices).astype(np.float32))
     explained = store.read("explained", indices)

@@ -1,11 +1,14 @@
 """Image sources: flat folders, class trees, unreadable files."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from omenn_kernels.bulk.images import ImageFiles, collate_images, list_images
+from omenn_kernels.errors import ImageSourceError
 
 
 def _png(path, value=0):
@@ -36,13 +39,13 @@ def test_class_tree_named_and_numbered(tmp_path):
 
 
 def test_bad_sources(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not found"):
+    with pytest.raises(ImageSourceError, match=f"not found: {re.escape(str(tmp_path / 'missing'))}"):
         list_images(tmp_path / "missing")
-    with pytest.raises(ValueError, match="no images"):
+    with pytest.raises(ImageSourceError, match=f"no images found in {re.escape(str(tmp_path))}"):
         list_images(tmp_path)
     _png(tmp_path / "loose.png")
     _png(tmp_path / "class" / "x.png")
-    with pytest.raises(ValueError, match="both images and class folders"):
+    with pytest.raises(ImageSourceError, match=f"{re.escape(str(tmp_path))} holds both images and class folders"):
         list_images(tmp_path)
 
 
