@@ -1,9 +1,10 @@
 """The ``omenn`` command: ``demo``, ``explain`` (a folder into a store) and ``show`` (overlays).
 
-Exit codes: 0 done; 1 an unexpected error (traceback logged); 2 a usage or input
-error (message on stderr); 3 done, but some images could not be read (recorded as
-failed in the store); 130 interrupted (finished batches are kept: run the same
-command again to resume).
+Exit codes: 0 done; 1 a defect, an error that is not about the input (traceback
+logged); 2 a usage or input error: a bad option, or any :class:`~omenn_kernels.errors.OmennError`
+(a one-line reason on stderr that names the value, file or folder); 3 done, but some
+images could not be read (recorded as failed in the store); 130 interrupted (finished
+batches are kept: run the same command again to resume).
 """
 
 from __future__ import annotations
@@ -11,19 +12,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
 from .cpu_memory import keep_freed_memory
 from .errors import OmennError
-from .bulk.store import STORE_DTYPES, StoreMismatchError, check_components
+from .bulk.store import STORE_DTYPES, check_components
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FAILED_IMAGES, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 log = logging.getLogger("omenn_kernels.cli")
 
-_EPILOG = """exit codes: 0 done; 1 unexpected error; 2 usage or input error; 3 done with unreadable
-images (recorded as failed); 130 interrupted (run again to resume)"""
+_EPILOG = """exit codes: 0 done; 1 unexpected error (a defect: please report it); 2 usage or input error;
+3 done with unreadable images (recorded as failed); 130 interrupted (run again to resume)"""
 
 
 def _components(text: str) -> tuple[str, ...]:
@@ -43,7 +45,10 @@ def _indices(text: str) -> list[int]:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
     return value
@@ -57,16 +62,16 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, no progress bar")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = commands.add_parser("demo", parents=[common], help="offline demo: the shipped model on drawn images → overlays "
-                               "and a completeness report", epilog=_EPILOG)
+    demo = commands.add_parser("demo", parents=[common], help="offline demo: the shipped model on drawn images "
+                               "→ overlays and a completeness report", epilog=_EPILOG)
     demo.add_argument("--out", type=Path, default=Path("omenn_demo"), help="output folder (default: omenn_demo)")
     demo.add_argument("--model", default="parts_vit", choices=["parts_vit", "parts_cnn"])
     demo.add_argument("--images", type=_positive, default=8, help="images to draw and explain (default: 8)")
     demo.add_argument("--backend", default="reference", choices=["reference", "fused", "auto"],
                       help="'fused' compiles the C++ kernels on first use (needs g++)")
 
-    explain = commands.add_parser("explain", parents=[common], help="explain every image of a folder into an attribution store",
-                                  epilog=_EPILOG)
+    explain = commands.add_parser("explain", parents=[common], epilog=_EPILOG,
+                                  help="explain every image of a folder into an attribution store")
     explain.add_argument("source", type=Path, help="a folder of images, or one sub-folder per class "
                          "(integer folder names are used as class indices)")
     explain.add_argument("--out", type=Path, required=True, help="the attribution store (a zarr folder); "
@@ -165,12 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.error("interrupted; finished batches are in the store: run the same command again to resume")
         return EXIT_INTERRUPTED
-    except (OmennError, StoreMismatchError, FileNotFoundError, FileExistsError, ValueError, KeyError) as error:
-        print(f"omenn {args.command}: error: {error}", file=sys.stderr)
+    except OmennError as error:
+        print(f"omenn {args.command}: error: {_one_line(str(error))}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception:
-        log.exception("omenn %s failed", args.command)
+    except Exception:  # not an input error: a defect, reported with its traceback
+        log.exception("omenn %s failed with an unexpected error (a defect, not an input error)", args.command)
         return EXIT_ERROR
+
+
+def _one_line(message: str) -> str:
+    """``message`` with its line breaks (and the indentation after them) collapsed to single spaces."""
+    return re.sub(r"\s*\n\s*", " ", message).strip()
 
 
 def entry_point() -> None:

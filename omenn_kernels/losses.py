@@ -33,6 +33,10 @@ import torch.nn.functional as F
 
 from .api import Explanation, Target, explainer_for
 from .backends.executor import ParameterGradient
+from .errors import InputError, OptionError, TargetError
+
+# How many batch rows an error lists before it says how many more there are.
+_ROWS_SHOWN = 8
 
 Distance = Literal["cosine", "mse"]
 Component = Literal["contribution", "weighted_input", "bias"]
@@ -82,7 +86,7 @@ def map_distance(maps: torch.Tensor, reference: torch.Tensor, distance: Distance
     """
     _check_choice(distance, DISTANCES, "distance")
     if maps.shape != reference.shape:
-        raise ValueError(f"the explanation maps differ in shape: {tuple(maps.shape)} and "
+        raise InputError(f"the explanation maps differ in shape: {tuple(maps.shape)} and "
                          f"{tuple(reference.shape)}")
     if distance == "cosine":
         return (1 - F.cosine_similarity(maps.flatten(1), reference.flatten(1), dim=1)).mean()
@@ -91,7 +95,29 @@ def map_distance(maps: torch.Tensor, reference: torch.Tensor, distance: Distance
 
 def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
     if value not in choices:
-        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(repr(c) for c in choices)}")
+        raise OptionError(f"unknown {what} {value!r}; expected one of {', '.join(repr(c) for c in choices)}")
+
+
+def _checked_stored_maps(maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``maps`` if they are finite (B, H, W) maps of the (B, C, H, W) batch ``x``.
+
+    A store's failed rows hold NaN; compared with them, the loss would be NaN. An ``x``
+    that is not an image batch is left to the explainer, which names what is wrong with it.
+    """
+    if not (isinstance(x, torch.Tensor) and x.dim() == 4):
+        return maps
+    expected = (x.shape[0], *x.shape[2:])
+    if tuple(maps.shape) != expected:
+        raise InputError(f"the stored reference maps have shape {tuple(maps.shape)}, but the maps of the image "
+                         f"batch {tuple(x.shape)} are (B, H, W) = {expected}")
+    non_finite = (~torch.isfinite(maps)).flatten(1).any(1).nonzero().flatten().tolist()
+    if non_finite:
+        rows = ", ".join(str(row) for row in non_finite[:_ROWS_SHOWN])
+        more = f", … ({len(non_finite) - _ROWS_SHOWN} more)" if len(non_finite) > _ROWS_SHOWN else ""
+        raise InputError(f"the stored reference maps hold NaN or Inf in {len(non_finite)} of {expected[0]} rows "
+                         f"(batch rows {rows}{more}); a store's failed rows hold NaN and a float16 store holds Inf "
+                         "where a value overflowed: leave those images out of the batch")
+    return maps
 
 
 def _matched(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Tensor, x: torch.Tensor,
@@ -103,14 +129,14 @@ def _matched(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Te
         raise TypeError("the reference must be a torch.nn.Module or a tensor of its stored maps, got "
                         f"{type(reference_model).__name__}")
     if model is reference_model:
-        raise ValueError("the model and the reference model are the same object; pass a frozen "
+        raise InputError("the model and the reference model are the same object; pass a frozen "
                          "copy (copy.deepcopy) as the reference")
     _check_choice(distance, DISTANCES, "distance")  # before the explanations are computed
     _check_choice(component, COMPONENTS, "component")
     if isinstance(reference_model, torch.Tensor):
         if target is None:
-            raise ValueError("stored reference maps need the target they explain; pass target")
-        reference, reference_maps = None, reference_model.detach()
+            raise TargetError("stored reference maps need the target they explain; pass target")
+        reference, reference_maps = None, _checked_stored_maps(reference_model.detach(), x)
     else:
         reference = explainer_for(reference_model, reference_backend)(x, target)
         target, reference_maps = reference.target, attribution_map(reference, x, component)
@@ -150,9 +176,13 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module 
         student's parameters and its ``logits`` can feed the task loss (module docstring).
 
     Raises:
-        TypeError, ValueError: a model that is not a module, the same module twice, an
-            unknown distance or component, stored maps without a target. The errors of :func:`~omenn_kernels.explain`
-            for inputs and targets.
+        TypeError: a model that is not a module.
+        InputError: the same module twice; stored maps of another shape than the maps of
+            ``x``, (B, H, W), or with NaN or Inf in some rows (a store's failed rows; the
+            message names them).
+        OptionError: an unknown distance or component.
+        TargetError: stored maps without a target.
+        The errors of :func:`~omenn_kernels.explain` for inputs and targets.
     """
     return _matched(student, teacher, x, target, distance, component, backend, teacher_backend,
                     parameter_gradient)

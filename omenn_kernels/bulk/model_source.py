@@ -12,6 +12,7 @@ from PIL import Image
 from torch import nn
 
 from .. import models
+from ..errors import ModelLoadError
 
 # The shipped models see the drawn images as they are: 96×96, values in [0, 1].
 _SHIPPED_DATA_CONFIG = {"input_size": (3, 96, 96), "interpolation": "bilinear", "mean": (0.0, 0.0, 0.0),
@@ -71,38 +72,51 @@ def load_model(name: str, *, checkpoint: str | Path | None = None, pretrained: b
     """Load ``name``: a shipped parts model (``parts_cnn``, ``parts_vit``) or a timm model.
 
     A shipped model loads its shipped weights, or ``checkpoint`` (a .safetensors file
-    written by ``omenn_kernels.models.train``). A timm model needs its weights: either
-    ``pretrained=True`` (timm's download, cached by the Hugging Face hub) or
-    ``checkpoint`` (a state_dict file timm's ``load_checkpoint`` reads: .pth, .pt,
-    .safetensors, possibly wrapped in ``{"state_dict": ...}``).
+    written by ``omenn_kernels.models.train``, with its JSON file beside it). A timm model
+    needs its weights: either ``pretrained=True`` (timm's download, cached by the Hugging
+    Face hub) or ``checkpoint`` (a state_dict file: .pth, .pt, .safetensors, possibly
+    wrapped in ``{"state_dict": ...}``; see :func:`omenn_kernels.models.read_state_dict`).
+    ``num_classes`` sets a timm model's head size; a shipped model's comes from its
+    configuration, and a different ``num_classes`` is refused.
 
     Raises:
-        ValueError: an unknown model name, or a timm model without weights.
-        FileNotFoundError: a checkpoint that does not exist.
+        ModelLoadError: an unknown model name, a timm model without weights, a
+            ``num_classes`` below 1 or that a shipped model does not have, or a checkpoint
+            that does not exist, cannot be read or does not fit the model (the message
+            names the file, what is wrong, and for a head of another size the
+            ``--num-classes`` that fits).
     """
+    if num_classes is not None and num_classes < 1:
+        raise ModelLoadError(f"num_classes must be at least 1, got {num_classes}")
     if checkpoint is not None and not Path(checkpoint).is_file():
-        raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+        raise models.CheckpointNotFoundError(f"checkpoint not found: no file at {checkpoint}")
     if name in ("parts_cnn", "parts_vit"):
         if pretrained:
-            raise ValueError(f"{name} is a shipped model: its weights come with the package "
-                             "(drop --pretrained)")
+            raise ModelLoadError(f"{name} is a shipped model: its weights come with the package "
+                                 "(drop --pretrained)")
         model = models.load_checkpoint(checkpoint) if checkpoint else models.load_pretrained(name)
+        classes = model.head.out_features
+        if num_classes is not None and num_classes != classes:
+            raise ModelLoadError(f"{name} from {checkpoint or 'the shipped weights'} has {classes} classes, not "
+                                 f"--num-classes {num_classes}; drop --num-classes (it is for timm models)")
         return LoadedModel(model.eval(), name, str(checkpoint) if checkpoint else "shipped",
                            weights_digest(model), dict(_SHIPPED_DATA_CONFIG))
     import timm
 
     if not timm.is_model(name):
-        raise ValueError(f"unknown model {name!r}: not a shipped model (parts_cnn, parts_vit) nor a "
-                         "timm model name (see timm.list_models())")
+        raise ModelLoadError(f"unknown model {name!r}: not a shipped model (parts_cnn, parts_vit) nor a "
+                             "timm model name (see timm.list_models())")
     if not pretrained and checkpoint is None:
-        raise ValueError(f"the timm model {name!r} needs weights: pass --pretrained (timm downloads them) "
-                         "or --checkpoint PATH; random weights explain nothing")
+        raise ModelLoadError(f"the timm model {name!r} needs weights: pass --pretrained (timm downloads them) "
+                             "or --checkpoint PATH; random weights explain nothing")
     if pretrained and checkpoint is not None:
-        raise ValueError("give either --pretrained or --checkpoint, not both")
+        raise ModelLoadError("give either --pretrained or --checkpoint, not both")
     options = {} if num_classes is None else {"num_classes": num_classes}
     model = timm.create_model(name, pretrained=pretrained, **options)
     if checkpoint is not None:
-        timm.models.load_checkpoint(model, str(checkpoint), strict=True)
+        heads = model.pretrained_cfg.get("classifier") or ()
+        models.load_weights(model, checkpoint, model_name=f"the timm model {name!r}",
+                            heads=(heads,) if isinstance(heads, str) else tuple(heads))
     data_config = timm.data.resolve_model_data_config(model)
     return LoadedModel(model.eval(), name, str(checkpoint) if checkpoint else "pretrained",
                        weights_digest(model), data_config)

@@ -16,6 +16,8 @@ from __future__ import annotations
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
+from ..errors import ModelLoadError
+
 IMAGE_SIZE = 96
 CNN_DEFAULTS: dict[str, object] = {"widths": (32, 64, 128)}
 VIT_DEFAULTS: dict[str, object] = {"embed_dim": 64, "depth": 4, "num_heads": 4, "mlp_ratio": 2.0}
@@ -58,9 +60,9 @@ class PartsCNN(nn.Module):
     def __init__(self, num_classes: int = 50, widths: tuple[int, int, int] = (32, 64, 128)) -> None:
         super().__init__()
         if num_classes < 1:
-            raise ValueError(f"num_classes must be positive, got {num_classes}")
+            raise ModelLoadError(f"num_classes must be positive, got {num_classes}")
         if len(widths) != 3 or any(int(w) < 1 for w in widths):
-            raise ValueError(f"widths must be three positive channel counts, got {widths!r}")
+            raise ModelLoadError(f"widths must be three positive channel counts, got {widths!r}")
         w1, w2, w3 = (int(w) for w in widths)
         self.stem = nn.Sequential(*_conv_bn_relu(3, w1, stride=2), nn.MaxPool2d(2))
         self.stage1 = ResidualBlock(w1)
@@ -100,9 +102,9 @@ def parts_vit(num_classes: int = 50, embed_dim: int = 64, depth: int = 4, num_he
     normalized inside the model (:class:`PartsViT`).
     """
     if num_classes < 1:
-        raise ValueError(f"num_classes must be positive, got {num_classes}")
+        raise ModelLoadError(f"num_classes must be positive, got {num_classes}")
     if embed_dim % num_heads != 0:
-        raise ValueError(f"embed_dim ({embed_dim}) must be a multiple of num_heads ({num_heads})")
+        raise ModelLoadError(f"embed_dim ({embed_dim}) must be a multiple of num_heads ({num_heads})")
     return PartsViT(img_size=IMAGE_SIZE, patch_size=8, in_chans=3, num_classes=num_classes,
                     embed_dim=embed_dim, depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
                     qkv_bias=True, class_token=True, global_pool="token", act_layer=nn.GELU)
@@ -117,9 +119,9 @@ INPUT_NORMALIZATION = {"cnn": "none",
 def build(arch: str, num_classes: int = 50, **hyper_parameters: object) -> nn.Module:
     """Build ``"cnn"`` or ``"vit"`` with the given hyper-parameters (the defaults for the others)."""
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown architecture {arch!r}; expected one of {sorted(ARCHITECTURES)}")
+        raise ModelLoadError(f"unknown architecture {arch!r}; expected one of {sorted(ARCHITECTURES)}")
     unknown = set(hyper_parameters) - set(DEFAULTS[arch])
     if unknown:
-        raise ValueError(f"unknown hyper-parameters for {arch!r}: {sorted(unknown)}; "
+        raise ModelLoadError(f"unknown hyper-parameters for {arch!r}: {sorted(unknown)}; "
                          f"expected a subset of {sorted(DEFAULTS[arch])}")
     return ARCHITECTURES[arch](num_classes, **{**DEFAULTS[arch], **hyper_parameters})
