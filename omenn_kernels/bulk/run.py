@@ -9,6 +9,14 @@ of one store, and each batch holds the same images as in a single-process run.
 
 Every batch is padded to ``batch_size`` images (repeating its first readable image;
 the padding is dropped) so that the model is captured once, whatever images fail.
+
+One run writes a store at a time: the run holds the store's lock (:mod:`.lock`) from
+before the model is loaded until it ends, however it ends, and a second run on the same
+store is refused with :class:`~omenn_kernels.errors.StoreLockedError` naming the holder.
+Under ``torchrun``, process 0 takes the lock and creates the store, and every process
+fails with its error if it cannot. The store never lies inside the image folder, nor the
+image folder inside the store, and ``overwrite`` replaces only a store written by this
+library (see :mod:`.store`).
 """
 
 from __future__ import annotations
@@ -17,12 +25,11 @@ import contextlib
 import logging
 import os
 import queue
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -32,15 +39,19 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..api import Explainer
+from ..errors import OmennError, OptionError, StoreError, TargetError
 from .images import ImageFiles, ImageList, collate_images, list_images
+from .lock import StoreLock
 from .model_source import LoadedModel, load_model
 from .store import (EXPLAINED, FAILED, STORE_DTYPES, AttributionStore, check_components,
-                    check_store_dtype)
+                    check_replaceable, check_store_dtype, remove_leftovers)
 from .targets import NO_CLASS, TargetSpec, parse_targets, readout_weights
 
 log = logging.getLogger("omenn_kernels.bulk")
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+Result = TypeVar("Result")
 
 
 @dataclass
@@ -71,15 +82,15 @@ class RunConfig:
             self.checkpoint = Path(self.checkpoint)
 
     def validate(self) -> None:
-        """Raise ValueError naming the first invalid option."""
+        """Raise OptionError naming the first invalid option."""
         if self.batch_size < 1:
-            raise ValueError(f"batch size must be ≥ 1, got {self.batch_size}")
+            raise OptionError(f"batch size must be ≥ 1, got {self.batch_size}")
         if self.dtype not in AUTOCAST_DTYPES:
-            raise ValueError(f"dtype must be one of {list(AUTOCAST_DTYPES)}, got {self.dtype!r}")
+            raise OptionError(f"dtype must be one of {list(AUTOCAST_DTYPES)}, got {self.dtype!r}")
         check_store_dtype(self.store_dtype)
         check_components(self.components)
         if self.workers < 0:
-            raise ValueError(f"workers must be ≥ 0, got {self.workers}")
+            raise OptionError(f"workers must be ≥ 0, got {self.workers}")
 
 
 @dataclass
@@ -113,13 +124,87 @@ def _distributed(device: str) -> tuple[int, int, bool]:
 
 
 def _device(name: str, world: int) -> torch.device:
-    device = torch.device(name)
+    """The torch device ``name`` (under torchrun, "cuda" is this process's local GPU).
+
+    Raises:
+        OptionError: a name torch does not know, or a CUDA device this machine does not have.
+    """
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as error:
+        raise OptionError(f"unknown device {name!r}: use cpu, cuda or cuda:N ({error})") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {name!r} was asked for, but CUDA is not available")
+            raise OptionError(f"device {name!r} was asked for, but CUDA is not available")
         if device.index is None and world > 1:
             device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise OptionError(f"device {name!r} was asked for, but this machine has "
+                              f"{torch.cuda.device_count()} CUDA devices")
     return device
+
+
+def _on_rank0(action: Callable[[], Result], rank: int, device: torch.device) -> Result | None:
+    """Run ``action`` on process 0 only; under a process group, every process raises its error.
+
+    Returns what ``action`` returns on process 0, None on the others. Every process
+    must call this at the same point, as it is a collective when a group exists.
+    """
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = action()
+        except Exception as raised:  # handed to every process below, then raised
+            error = raised
+    if dist.is_available() and dist.is_initialized():
+        # The class and message travel, not the exception: not every exception pickles.
+        shared = [None if error is None else (type(error), str(error))]
+        dist.broadcast_object_list(shared, src=0, device=device if dist.get_backend() == "nccl" else None)
+        if rank != 0 and shared[0] is not None:
+            error = _rebuilt(*shared[0])
+    if error is not None:
+        raise error
+    return result
+
+
+def _rebuilt(kind: type, message: str) -> Exception:
+    """Process 0's error, as this process raises it: the same class where that class takes just a message."""
+    if issubclass(kind, OmennError):
+        try:
+            return kind(message)
+        except TypeError:  # a class whose constructor needs more than the message
+            pass
+    return RuntimeError(f"process 0 failed with {kind.__name__}: {message}")
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _claim_out(config: RunConfig) -> StoreLock:
+    """Check that ``config.out`` may be written (and replaced, with ``overwrite``), and lock it.
+
+    Raises:
+        StoreError: the store would be, or would hold, the image folder; ``overwrite``
+            names something other than a store of this library; the folder cannot be written.
+        StoreLockedError: another process writes the store.
+    """
+    # Resolved, so that a symbolic link cannot hide that two paths are one folder.
+    source, out = config.source.resolve(), config.out.resolve()
+    if _is_within(out, source):
+        raise StoreError(f"the store {config.out} would be inside the image folder {config.source}; "
+                         "choose an --out outside it")
+    if _is_within(source, out):
+        raise StoreError(f"the image folder {config.source} is inside the store path {config.out}; "
+                         "choose another --out")
+    lock = StoreLock.acquire(config.out)
+    try:
+        if config.overwrite:
+            check_replaceable(config.out)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def _signature(config: RunConfig, loaded: LoadedModel, spec: TargetSpec, classes: int,
@@ -136,29 +221,39 @@ def _signature(config: RunConfig, loaded: LoadedModel, spec: TargetSpec, classes
     }
 
 
-def _open_store(config: RunConfig, signature: dict, images: ImageList, rank: int) -> AttributionStore:
-    """Rank 0 creates (or checks) the store; the others open it after it exists."""
-    if rank == 0:
-        if config.out.exists() and config.overwrite:
-            log.info("removing the existing store %s (--overwrite)", config.out)
-            shutil.rmtree(config.out)
-        if config.out.exists():
+def _open_store(config: RunConfig, signature: dict, images: ImageList, rank: int,
+                device: torch.device) -> AttributionStore:
+    """Process 0 creates (or replaces, or checks) the store while holding its lock; the others open it then."""
+
+    def create_or_check() -> AttributionStore:
+        remove_leftovers(config.out)
+        if (config.out / "zarr.json").is_file() and not config.overwrite:
             store = AttributionStore.open(config.out, writable=True)
             store.check_signature(signature)
             log.info("resuming %s: %s", config.out, store.summary())
-        else:
-            store = AttributionStore.create(
-                config.out, paths=list(images.paths), labels=list(images.labels),
-                target_count=signature["target_count"], classes=signature["classes"],
-                image_shape=tuple(signature["image_shape"]), batch_size=config.batch_size,
-                store_dtype=config.store_dtype, components=config.components,
-                attributes={**signature, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
-    if dist.is_initialized():
-        dist.barrier()
+            return store
+        return AttributionStore.create(
+            config.out, paths=list(images.paths), labels=list(images.labels),
+            target_count=signature["target_count"], classes=signature["classes"],
+            image_shape=tuple(signature["image_shape"]), batch_size=config.batch_size,
+            store_dtype=config.store_dtype, components=config.components,
+            attributes={**signature, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+            replace=config.overwrite)
+
+    store = _on_rank0(create_or_check, rank, device)
     if rank != 0:
         store = AttributionStore.open(config.out, writable=True)
         store.check_signature(signature)
     return store
+
+
+def _check_labels(images: ImageList, classes: int, model: str) -> None:
+    """Raise TargetError naming the first class folder whose label the model has no class for."""
+    for path, label in zip(images.paths, images.labels):
+        if label >= classes:
+            folder = Path(path).parts[0]
+            raise TargetError(f"class folder {images.root / folder} is class {label}, but the model {model} has "
+                              f"{classes} classes (valid: 0..{classes - 1}); the target 'label' cannot be explained")
 
 
 def _read_ahead(batches: Iterable, depth: int = 2) -> Iterator:
@@ -209,8 +304,9 @@ def _read_ahead(batches: Iterable, depth: int = 2) -> Iterator:
 class _ChunkWriter:
     """Writes finished chunks on a thread, so that storing overlaps explaining."""
 
-    def __init__(self, store: AttributionStore, progress: tqdm) -> None:
+    def __init__(self, store: AttributionStore, out: Path, progress: tqdm) -> None:
         self.store = store
+        self.out = out
         self.progress = progress
         self.error: BaseException | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=2)
@@ -229,16 +325,22 @@ class _ChunkWriter:
                 self.error = error
 
     def put(self, chunk: int, arrays: dict, status: np.ndarray) -> None:
-        if self.error is not None:
-            raise RuntimeError("writing the store failed") from self.error
+        self._raise_error()
         self._queue.put((chunk, arrays, status))
 
     def close(self) -> None:
         """Write what is queued and stop; re-raise a write error."""
         self._queue.put(None)
         self._thread.join()
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        """A write error: the disk's (full, removed, read-only) as a StoreError, anything else as a defect."""
+        if isinstance(self.error, OSError):
+            raise StoreError(f"writing the store {self.out} failed ({self.error}); the batches written "
+                             "before are kept: free the disk and run the same command again") from self.error
         if self.error is not None:
-            raise RuntimeError("writing the store failed") from self.error
+            raise RuntimeError(f"writing the store {self.out} failed") from self.error
 
 
 class _BatchExplainer:
@@ -308,24 +410,37 @@ def explain_folder(config: RunConfig) -> RunSummary:
     """Explain every image of ``config.source`` into the store ``config.out``.
 
     Resumes a store written by an identical configuration (skipping finished chunks);
-    shards the chunks over the processes of a ``torchrun`` launch.
+    shards the chunks over the processes of a ``torchrun`` launch. Holds the store's lock
+    for the whole run and releases it (removing the lock file) when the run ends, also on
+    an exception or an interrupt. With ``config.overwrite``, an existing store written by
+    this library is replaced, and nothing else is ever removed.
 
     Raises:
+        StoreLockedError: another process is writing ``config.out``.
         StoreMismatchError: ``config.out`` holds a store of a different configuration.
+        StoreError: ``config.out`` is inside the image folder (or holds it), is something
+            other than a store, cannot be written, or holds unreadable metadata.
+        OptionError: an invalid option, such as an unknown device.
         FileNotFoundError, ValueError: a missing folder, no images, an unknown model.
-        TargetError: a target specification that does not fit the model or the images.
+        TargetError: a target specification that does not fit the model or the images,
+            such as a class folder beyond the model's classes with the target 'label'.
     """
     config.validate()
     rank, world, started_group = _distributed(config.device)
     try:
-        return _explain_folder(config, rank, world)
+        device = _device(config.device, world)
+        lock = _on_rank0(lambda: _claim_out(config), rank, device)
+        try:
+            return _explain_folder(config, rank, world, device)
+        finally:
+            if lock is not None:
+                lock.release()
     finally:
         if started_group:
             dist.destroy_process_group()
 
 
-def _explain_folder(config: RunConfig, rank: int, world: int) -> RunSummary:
-    device = _device(config.device, world)
+def _explain_folder(config: RunConfig, rank: int, world: int, device: torch.device) -> RunSummary:
     images = list_images(config.source)
     spec = parse_targets(config.targets)
     loaded = load_model(config.model, checkpoint=config.checkpoint, pretrained=config.pretrained,
@@ -336,8 +451,10 @@ def _explain_folder(config: RunConfig, rank: int, world: int) -> RunSummary:
     # Captured once, on the batch shape every batch is padded to.
     _, classes = explainer.program(torch.zeros(config.batch_size, *image_shape, device=device))
     spec.check(classes, has_labels=images.has_labels)
+    if spec.needs_labels:
+        _check_labels(images, classes, loaded.name)
     batch_explainer = _BatchExplainer(config, explainer, spec, classes, images, device)
-    store = _open_store(config, _signature(config, loaded, spec, classes, images), images, rank)
+    store = _open_store(config, _signature(config, loaded, spec, classes, images), images, rank, device)
 
     chunks = [c for c in store.pending_chunks() if c % world == rank]
     pending_images = sum(len(store.chunk_range(c)) for c in chunks)
@@ -354,7 +471,7 @@ def _explain_folder(config: RunConfig, rank: int, world: int) -> RunSummary:
     progress = tqdm(total=pending_images, unit="img", dynamic_ncols=True,
                     desc=f"explaining (rank {rank})" if world > 1 else "explaining",
                     disable=not config.progress or rank != 0)
-    writer = _ChunkWriter(store, progress)
+    writer = _ChunkWriter(store, config.out, progress)
     batches = _read_ahead(loader)
     start = time.perf_counter()
     try:

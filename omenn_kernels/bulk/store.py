@@ -23,18 +23,37 @@ leaves every batch either marked done with all its data, or not marked — and a
 run redoes exactly the unmarked batches. Processes of a distributed run own disjoint
 chunks. The group's attributes hold the run's signature (model, weights hash,
 targets, dtype, backend, ...), checked when a run resumes.
+
+Creation is atomic: :meth:`AttributionStore.create` builds the whole store (every array,
+the paths, the labels and the attributes) in a hidden sibling folder
+``.<name>.creating-<pid>`` and renames it into place, so a process killed while creating
+leaves either no store or a complete empty one. A store is marked as written by this
+library (attribute ``written_by``); replacing a store (``--overwrite``) removes only a
+folder so marked, and never anything else. Leftover hidden folders of killed runs are
+removed by the next run that holds the store's lock (:mod:`.lock`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import os
+import re
+import shutil
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import numpy as np
 import zarr
 
+from ..errors import OptionError, StoreError
+
+log = logging.getLogger("omenn_kernels.bulk")
+
 FORMAT_VERSION = 1
+# The attribute that marks a store as written by this library: only such a folder is ever removed.
+WRITTEN_BY = "omenn_kernels"
 PENDING, EXPLAINED, FAILED = 0, 1, 2
 COMPONENTS = ("contribution", "weighted_input", "bias")
 STORE_DTYPES = {"float16": np.float16, "float32": np.float32}
@@ -45,22 +64,28 @@ SIGNATURE_KEYS = ("format_version", "model", "weights_sha256", "targets", "targe
                   "num_images", "paths_sha256")
 
 
-class StoreMismatchError(ValueError):
+# Arrays every store has, besides the optional ones of COMPONENTS.
+REQUIRED_ARRAYS = ("explained", "logits", "targets", "labels", "status", "paths")
+# Hidden sibling folders of a store being created or replaced: ``.<name>.creating-<pid>``.
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(creating|removing)-\d+")
+
+
+class StoreMismatchError(StoreError):
     """An existing store was written by a different run configuration."""
 
 
 def check_components(components: Iterable[str]) -> None:
-    """Raise ValueError unless ``components`` include ``contribution`` and are all known."""
+    """Raise OptionError unless ``components`` include ``contribution`` and are all known."""
     components = tuple(components)
     if "contribution" not in components or set(components) - set(COMPONENTS):
-        raise ValueError(f"components must include 'contribution' and be among {list(COMPONENTS)}; "
+        raise OptionError(f"components must include 'contribution' and be among {list(COMPONENTS)}; "
                          f"got {list(components)}")
 
 
 def check_store_dtype(store_dtype: str) -> None:
-    """Raise ValueError unless ``store_dtype`` is one a store can hold."""
+    """Raise OptionError unless ``store_dtype`` is one a store can hold."""
     if store_dtype not in STORE_DTYPES:
-        raise ValueError(f"store dtype must be one of {list(STORE_DTYPES)}, got {store_dtype!r}")
+        raise OptionError(f"store dtype must be one of {list(STORE_DTYPES)}, got {store_dtype!r}")
 
 
 def paths_digest(paths: Iterable[str]) -> str:
@@ -69,6 +94,72 @@ def paths_digest(paths: Iterable[str]) -> str:
     for path in paths:
         digest.update(path.encode("utf-8") + b"\0")
     return digest.hexdigest()
+
+
+def store_location(path: str | Path) -> Path:
+    """``path`` made absolute and normalized, so that the store has a name and a parent folder.
+
+    Raises:
+        StoreError: ``path`` is a file system root, which cannot be a store.
+    """
+    location = Path(os.path.abspath(path))
+    if not location.name:
+        raise StoreError(f"{path} is the root of the file system and cannot be an attribution store; "
+                         "choose another --out")
+    return location
+
+
+def is_attribution_store(path: str | Path) -> bool:
+    """Whether ``path`` is a folder whose ``zarr.json`` marks it as a store written by this library."""
+    metadata = Path(path) / "zarr.json"
+    try:
+        document = json.loads(metadata.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(document, dict) or document.get("node_type") != "group":
+        return False
+    attributes = document.get("attributes")
+    return (isinstance(attributes, dict) and attributes.get("written_by") == WRITTEN_BY
+            and attributes.get("format_version") == FORMAT_VERSION)
+
+
+def _is_empty_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and not any(path.iterdir())
+
+
+def check_replaceable(path: str | Path) -> None:
+    """Raise :class:`StoreError` unless ``path`` is absent, an empty folder, or a store written by this library.
+
+    This is what ``--overwrite`` may remove: never a file, a link, or a folder of anything else.
+    """
+    path = Path(path)
+    if not os.path.lexists(path) or _is_empty_folder(path):
+        return
+    if path.is_symlink():
+        raise StoreError(f"--overwrite does not replace {path}: it is a symbolic link; give the store's own path")
+    if not path.is_dir():
+        raise StoreError(f"--overwrite does not replace {path}: it is a file, not an attribution store")
+    if not is_attribution_store(path):
+        raise StoreError(f"--overwrite does not replace {path}: it is not an attribution store written by "
+                         f"{WRITTEN_BY} (format {FORMAT_VERSION}); remove it yourself or choose another --out")
+
+
+def remove_leftovers(path: str | Path) -> list[Path]:
+    """Remove the hidden folders that killed runs left while creating or replacing the store ``path``.
+
+    Call only while holding the store's lock: a live run's folders look the same.
+    """
+    path = store_location(path)
+    if not path.parent.is_dir():
+        return []
+    removed = []
+    for candidate in path.parent.iterdir():
+        match = _TEMPORARY.fullmatch(candidate.name)
+        if match and match["name"] == path.name and candidate.is_dir() and not candidate.is_symlink():
+            log.info("removing %s, left by a run that was killed while creating or replacing %s", candidate, path)
+            shutil.rmtree(candidate)
+            removed.append(candidate)
+    return removed
 
 
 class AttributionStore:
@@ -80,26 +171,72 @@ class AttributionStore:
     @classmethod
     def create(cls, path: str | Path, *, paths: list[str], labels: list[int], target_count: int,
                classes: int, image_shape: tuple[int, int, int], batch_size: int, store_dtype: str,
-               components: tuple[str, ...], attributes: Mapping[str, object]) -> "AttributionStore":
-        """Create an empty store at ``path`` (which must not exist).
+               components: tuple[str, ...], attributes: Mapping[str, object],
+               replace: bool = False) -> "AttributionStore":
+        """Create an empty store at ``path``, atomically.
 
+        ``path`` must not exist, or be an empty folder; with ``replace``, it may also be a
+        store written by this library, which the new store replaces (see
+        :func:`check_replaceable`). The store is built under a hidden sibling name and
+        renamed into place, so ``path`` never holds a partly created store.
         ``attributes`` are recorded as the group's attributes, next to the signature
         keys derived here (shapes, dtype, components, digest of ``paths``).
+
+        Raises:
+            StoreError: ``path`` exists and may not be replaced, or its folder cannot be written.
+            OptionError: unknown components or store dtype.
         """
-        path = Path(path)
-        if path.exists():
-            raise FileExistsError(f"{path} exists; resume it or remove it first")
+        path = store_location(path)
         check_components(components)
         check_store_dtype(store_dtype)
         if len(paths) != len(labels) or not paths:
-            raise ValueError("the store needs one label per path and at least one image")
+            raise StoreError(f"the store {path} needs one label per path and at least one image; got "
+                             f"{len(paths)} paths and {len(labels)} labels")
+        if replace:
+            check_replaceable(path)
+        elif os.path.lexists(path) and not _is_empty_folder(path):
+            raise StoreError(f"{path} already exists and is not an empty folder; choose another --out "
+                             "(or, if it is a store, resume it or pass --overwrite to replace it)")
+        building = path.with_name(f".{path.name}.creating-{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if building.exists():  # left by a killed process that had this process id
+                shutil.rmtree(building)
+            cls._build(building, paths=paths, labels=labels, target_count=target_count, classes=classes,
+                       image_shape=image_shape, batch_size=batch_size, store_dtype=store_dtype,
+                       components=components, attributes=attributes)
+            if replace and is_attribution_store(path):
+                # The old store leaves the path only when the new one is complete.
+                removing = path.with_name(f".{path.name}.removing-{os.getpid()}")
+                log.info("replacing the existing store %s (--overwrite)", path)
+                os.rename(path, removing)
+                os.rename(building, path)
+            else:
+                os.rename(building, path)  # atomic; it also replaces an empty folder
+        except OSError as error:
+            shutil.rmtree(building, ignore_errors=True)
+            raise StoreError(f"cannot create the store {path} in the folder {path.parent}: "
+                             f"{error.strerror or error}") from error
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
+        if replace:
+            # What is left of the old store, should this fail, is removed by the next run (remove_leftovers).
+            shutil.rmtree(path.with_name(f".{path.name}.removing-{os.getpid()}"), ignore_errors=True)
+        return cls.open(path, writable=True)
+
+    @staticmethod
+    def _build(path: Path, *, paths: list[str], labels: list[int], target_count: int, classes: int,
+               image_shape: tuple[int, int, int], batch_size: int, store_dtype: str,
+               components: tuple[str, ...], attributes: Mapping[str, object]) -> None:
+        """Write a complete empty store (all arrays, paths, labels, attributes) at ``path``."""
         n, (channels, height, width) = len(paths), image_shape
         group = zarr.open_group(path, mode="w-")
         group.attrs.update({
-            **attributes, "format_version": FORMAT_VERSION, "target_count": target_count,
-            "classes": classes, "image_shape": list(image_shape), "batch_size": batch_size,
-            "store_dtype": store_dtype, "components": list(components), "num_images": n,
-            "paths_sha256": paths_digest(paths), "complete": False,
+            **attributes, "format_version": FORMAT_VERSION, "written_by": WRITTEN_BY,
+            "target_count": target_count, "classes": classes, "image_shape": list(image_shape),
+            "batch_size": batch_size, "store_dtype": store_dtype, "components": list(components),
+            "num_images": n, "paths_sha256": paths_digest(paths), "complete": False,
         })
         value = STORE_DTYPES[store_dtype]
         shapes = {
@@ -120,18 +257,46 @@ class AttributionStore:
         group.create_array("paths", shape=(n,), chunks=(batch_size,), dtype=str)
         group["labels"][:] = np.asarray(labels, dtype=np.int32)
         group["paths"][:] = np.asarray(paths, dtype=object)
-        return cls(group)
 
     @classmethod
     def open(cls, path: str | Path, *, writable: bool = False) -> "AttributionStore":
-        """Open an existing store (read-only unless ``writable``)."""
+        """Open an existing store (read-only unless ``writable``), checking that its metadata is whole.
+
+        Raises:
+            StoreError: no store at ``path``, another format version, or metadata that
+                cannot be read or is missing (the message names the file).
+        """
         path = Path(path)
-        if not (path / "zarr.json").is_file():
-            raise FileNotFoundError(f"no attribution store at {path}")
-        group = zarr.open_group(path, mode="r+" if writable else "r")
-        version = group.attrs.get("format_version")
+        metadata = path / "zarr.json"
+        if not metadata.is_file():
+            raise StoreError(f"no attribution store at {path} (no file {metadata})")
+        try:
+            group = zarr.open_group(path, mode="r+" if writable else "r")
+            version = group.attrs.get("format_version")
+            components = group.attrs.get("components")
+            num_images = group.attrs.get("num_images")
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            raise StoreError(f"the store metadata {metadata} cannot be read: {error}") from error
+        except OSError as error:
+            raise StoreError(f"cannot open the store {path}: {error.strerror or error}") from error
         if version != FORMAT_VERSION:
-            raise ValueError(f"{path} has store format {version!r}; this version reads {FORMAT_VERSION}")
+            raise StoreError(f"{path} has store format {version!r}; this version reads {FORMAT_VERSION}")
+        if not isinstance(components, list) or "contribution" not in components \
+                or set(components) - set(COMPONENTS) or not isinstance(num_images, int):
+            raise StoreError(f"the store metadata {metadata} lacks valid 'components' and 'num_images' "
+                             f"attributes (components {components!r}, num_images {num_images!r})")
+        for name in (*components, *REQUIRED_ARRAYS):
+            array_metadata = path / name / "zarr.json"
+            if not array_metadata.is_file():
+                raise StoreError(f"the store {path} is incomplete: it has no array {name!r} (no file "
+                                 f"{array_metadata}); pass --overwrite to replace it")
+            try:
+                length = group[name].shape[0]
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError) as error:
+                raise StoreError(f"the array metadata {array_metadata} cannot be read: {error}") from error
+            if length != num_images:
+                raise StoreError(f"the array metadata {array_metadata} gives {length} images, the store "
+                                 f"{num_images}")
         return cls(group)
 
     @property
@@ -183,7 +348,7 @@ class AttributionStore:
     def read(self, name: str, indices: slice | list[int] | np.ndarray | None = None) -> np.ndarray:
         """Array ``name`` (all images, or the images ``indices``)."""
         if name not in self.group:
-            raise KeyError(f"the store has no array {name!r}; it has {sorted(self.group.array_keys())}")
+            raise StoreError(f"the store has no array {name!r}; it has {sorted(self.group.array_keys())}")
         array = self.group[name]
         if indices is None:
             return array[:]
