@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import numbers
+import reprlib
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Sequence, Union
@@ -12,9 +15,11 @@ import torch
 
 from . import backends
 from .backends.executor import PARAMETER_GRADIENTS, ParameterGradient
-from .capture import capture
+from .capture import ModelStructure, capture, reference_parameter
 from .errors import InputError, InputTypeError, TargetError
 from .linearize import LinearizedProgram, linearize
+
+log = logging.getLogger("omenn_kernels.api")
 
 Target = Union[int, Sequence[int], torch.Tensor, None]
 Readouts = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
@@ -68,7 +73,7 @@ def _check_input(x: object, model: torch.nn.Module) -> torch.Tensor:
         raise InputTypeError(f"the input must be a floating-point tensor; got dtype {x.dtype}")
     if x.shape[0] == 0:
         raise InputError("the input batch is empty")
-    reference = next((p for p in model.parameters() if p.is_floating_point()), None)
+    reference = reference_parameter(model)
     if reference is not None and reference.device != x.device:
         raise InputError(f"the input is on device '{x.device}' but the model's parameters are on "
                          f"'{reference.device}'; move one of them")
@@ -82,27 +87,54 @@ def _check_input(x: object, model: torch.nn.Module) -> torch.Tensor:
     return x
 
 
+def _shown(values: torch.Tensor) -> str:
+    """The values of a small target, or its shape and dtype if it is large."""
+    if values.numel() <= 8:
+        return str(values.tolist())
+    return f"a tensor of shape {tuple(values.shape)} and dtype {values.dtype}"
+
+
+def _as_tensor(target: Sequence | np.ndarray) -> torch.Tensor:
+    """A list, tuple or numpy array of targets as a tensor, refusing what is not numbers."""
+    array = np.asarray(target)
+    if array.dtype.kind not in "biufc":  # object (ints beyond 64 bits, ragged lists), strings, dates
+        raise TargetError(f"the target {reprlib.repr(array.tolist())} is not class indices or read-out weights "
+                          f"(as a numpy array its dtype is {array.dtype})")
+    return torch.as_tensor(array)
+
+
 def _readout(target: Target, batch: int, classes: int, device: torch.device) -> torch.Tensor | None:
     """Normalize ``target`` to (B,) class indices or (B, K) read-out weights (None: predicted class)."""
     if target is None:
         return None
-    if isinstance(target, bool):
+    if isinstance(target, (bool, np.bool_)):
         raise TargetError("the target must be a class index, indices or read-out weights, not a bool")
     if isinstance(target, (list, tuple, np.ndarray)):
-        target = torch.as_tensor(np.asarray(target))
+        target = _as_tensor(target)
     if isinstance(target, numbers.Integral):
+        if not 0 <= int(target) < classes:  # checked before torch.tensor, which overflows beyond 64 bits
+            raise TargetError(f"target class out of range: got {int(target)}, the model has {classes} "
+                              f"classes (valid: 0..{classes - 1})")
         target = torch.tensor(int(target))
     if not isinstance(target, torch.Tensor):
-        raise TargetError(f"unsupported target type {type(target).__name__}; use an int, a (B,) "
-                          "integer tensor, or (K,) / (B, K) read-out weights")
-    target = target.to(device)
+        shown = reprlib.repr(target.item() if isinstance(target, np.generic) else target)
+        raise TargetError(f"unsupported target type {type(target).__name__} ({shown}); use an int, "
+                          "a (B,) integer tensor, or (K,) / (B, K) read-out weights")
     if target.dtype == torch.bool:
         raise TargetError("the target must be class indices or read-out weights, not a bool tensor")
+    if target.is_complex():
+        raise TargetError(f"the target {_shown(target)} is complex ({target.dtype}); class indices must be "
+                          "integers and read-out weights real floating-point numbers")
+    target = target.to(device)
     if not target.is_floating_point():
-        indices = target.long().reshape(-1) if target.dim() <= 1 else None
-        if indices is None:
+        if target.dim() > 1:
             raise TargetError(f"integer targets must be a class index or (B,) indices; got shape "
                               f"{tuple(target.shape)}")
+        if target.dtype == torch.uint64 and bool((target.double() >= classes).any()):
+            # .long() would wrap these around to negative numbers
+            raise TargetError(f"target class out of range: got {_shown(target)}, the model has "
+                              f"{classes} classes (valid: 0..{classes - 1})")
+        indices = target.long().reshape(-1)
         if target.dim() == 0:
             indices = indices.expand(batch)
         if indices.numel() != batch:
@@ -114,8 +146,12 @@ def _readout(target: Target, batch: int, classes: int, device: torch.device) -> 
     if target.dim() == 1 and target.numel() == classes:
         target = target.expand(batch, classes)
     if target.dim() != 2 or tuple(target.shape) != (batch, classes):
+        hint = ""
+        if target.dim() == 1 and target.numel() == batch:
+            hint = (f" ({_shown(target)} looks like one class per image: class indices must be an "
+                    "integer tensor)")
         raise TargetError(f"read-out weights must have shape ({classes},) or ({batch}, {classes}); "
-                          f"got {tuple(target.shape)}")
+                          f"got {tuple(target.shape)}{hint}")
     if not bool(torch.isfinite(target).all()):
         raise TargetError("read-out weights contain NaN or Inf")
     return target
@@ -160,7 +196,16 @@ class Explainer:
     The model is captured in eval semantics (BatchNorm running statistics, no dropout)
     whatever its ``training`` flag, and is left unchanged: parameters, flags, hooks and
     buffers are as before. Parameters are read at every call, so the explanations
-    follow training; changing the model's structure needs a new ``Explainer``.
+    follow training. A change of the model's structure that a capture bakes in (forward
+    hooks and pre-hooks, global module hooks, replaced submodules, parameters or buffers
+    re-bound to other tensors, a forward set on an instance; see
+    :class:`~omenn_kernels.capture.ModelStructure`) is noticed at the next call, which
+    captures the model again (logged at INFO).
+
+    Thread-safe: threads may share an ``Explainer``, and several ``Explainer`` objects
+    may run at once; captures run one at a time. The model's own forward must not run in
+    another thread while it is being captured, since ``torch.export`` replaces its
+    parameters by fake tensors meanwhile.
 
     Args:
         model: any ``nn.Module`` whose forward maps one (B, C, H, W) tensor to (B, K) logits.
@@ -179,20 +224,33 @@ class Explainer:
         self.backend = backend
         self._run = backends.resolve(backend)
         self._programs: dict[tuple, tuple[LinearizedProgram, int]] = {}
+        self._structure: ModelStructure | None = None  # the model's structure the programs were captured with
+        self._lock = threading.RLock()  # so that two threads do not capture the same signature
 
     def program(self, x: torch.Tensor) -> tuple[LinearizedProgram, int]:
-        """The linearized program for ``x``'s signature and the model's number of classes."""
+        """The linearized program for ``x``'s signature and the model's number of classes.
+
+        Captures the model if no program for the signature is cached, or if the model's
+        structure changed since the cached ones were captured (they are then dropped).
+        """
         key = (tuple(x.shape), x.dtype, x.device)
-        if key not in self._programs:
-            captured = capture(self.model, x)
-            program = linearize(captured)
-            output = next(n for n in captured.graph.nodes if n.name == captured.output_name)
-            shape = tuple(output.meta["val"].shape)
-            if len(shape) != 2:
-                raise InputError(f"the model's output has shape {shape}; explain needs (batch, "
-                                 "num_classes) logits")
-            self._programs[key] = (program, shape[1])
-        return self._programs[key]
+        with self._lock:
+            if self._structure is None or not self._structure.matches(self.model):
+                if self._programs:
+                    log.info("capturing %s again, its structure changed: %s", type(self.model).__name__,
+                             self._structure.changes(self.model))
+                self._programs = {}
+                self._structure = ModelStructure.record(self.model)
+            if key not in self._programs:
+                captured = capture(self.model, x)
+                program = linearize(captured)
+                output = next(n for n in captured.graph.nodes if n.name == captured.output_name)
+                shape = tuple(output.meta["val"].shape)
+                if len(shape) != 2:
+                    raise InputError(f"the model's output has shape {shape}; explain needs (batch, "
+                                     "num_classes) logits")
+                self._programs[key] = (program, shape[1])
+            return self._programs[key]
 
     def __call__(self, x: torch.Tensor, target: Target = None, *, create_graph: bool = False,
                  parameter_gradient: ParameterGradient = "total") -> Explanation:
@@ -295,9 +353,10 @@ def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
         The :class:`Explanation`; ``contribution.sum((1, 2)) == logit`` up to rounding.
 
     Raises:
-        InputError, InputTypeError: a malformed input. TargetError: a target that does
-        not fit the model's output. UnsupportedOpError: an operation with no rule.
-        CaptureError: a forward torch.export cannot capture.
+        InputError, InputTypeError: a malformed input, or one the model's own forward
+        fails on. TargetError: a target that does not fit the model's output.
+        UnsupportedOpError: an operation with no rule. CaptureError: a forward
+        torch.export cannot capture.
     """
     return Explainer(model, backend=backend)(x, target, create_graph=create_graph,
                                              parameter_gradient=parameter_gradient)
@@ -305,6 +364,7 @@ def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
 
 _EXPLAINERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Explainer]]" = \
     weakref.WeakKeyDictionary()
+_EXPLAINERS_LOCK = threading.Lock()
 
 
 def explainer_for(model: torch.nn.Module, backend: str = "reference") -> Explainer:
@@ -313,27 +373,54 @@ def explainer_for(model: torch.nn.Module, backend: str = "reference") -> Explain
     Code that explains the same model many times (Quantus metrics, attribution losses at
     every training step) captures it once per input signature this way.
     """
-    per_backend = _EXPLAINERS.setdefault(model, {})
-    if backend not in per_backend:
-        per_backend[backend] = Explainer(model, backend=backend)
-    return per_backend[backend]
+    with _EXPLAINERS_LOCK:  # one Explainer per model and backend, also when threads ask at once
+        per_backend = _EXPLAINERS.setdefault(model, {})
+        if backend not in per_backend:
+            per_backend[backend] = Explainer(model, backend=backend)
+        return per_backend[backend]
+
+
+def _class_labels(targets: object) -> torch.Tensor:
+    """Quantus's labels as class indices: integers, or floats with integral values (0-d or (B,))."""
+    labels = targets if isinstance(targets, torch.Tensor) else _as_tensor(targets)
+    if labels.dtype == torch.bool or labels.is_complex():
+        raise TargetError(f"the labels {_shown(labels)} have dtype {labels.dtype}; quantus_explain needs "
+                          "integer class indices")
+    if labels.is_floating_point():
+        wide = labels.double()
+        # .long() would truncate 2.7 to class 2, and turn NaN or values beyond 64 bits into arbitrary ones
+        if not bool((torch.isfinite(wide) & (wide == wide.round()) & (wide.abs() < 2.0 ** 63)).all()):
+            raise TargetError(f"the labels {_shown(labels)} are not all whole numbers; quantus_explain needs "
+                              "integer class indices")
+        labels = wide.long()
+    return labels.reshape(-1) if labels.dim() > 1 else labels
 
 
 def quantus_explain(model: torch.nn.Module, inputs, targets, **kwargs) -> np.ndarray:
     """A Quantus ``explain_func``: OMENN attributions as a numpy array (B, C, H, W).
 
-    Accepts numpy arrays or tensors; extra Quantus keyword arguments are ignored except
+    Accepts numpy arrays or tensors: floating-point images, which are converted to the
+    model's dtype, and integer class labels (floats with whole values, such as 3.0, are
+    taken as those classes). Extra Quantus keyword arguments are ignored except
     ``backend`` and ``reduce_channels=True``, which returns the contribution map as
     (B, 1, H, W). Quantus calls this many times with the same model: the captured
     program is kept (weakly) per model.
+
+    Raises:
+        InputTypeError: integer (e.g. uint8) or otherwise non-floating-point images.
+        TargetError: labels that are not whole numbers, or out of the model's range.
     """
-    reference = next(model.parameters(), None)
     x = torch.as_tensor(inputs)
+    if not x.is_floating_point():
+        # uint8 images converted as they are would be explained on 0-255 values
+        raise InputTypeError(f"the inputs have dtype {x.dtype}; the model needs floating-point images in its "
+                             "normalized input range, so convert and normalize them first")
+    reference = reference_parameter(model)
     if reference is not None:
         x = x.to(dtype=reference.dtype, device=reference.device)
     else:
         x = x.to(device=kwargs.get("device") or "cpu")
-    target = torch.as_tensor(np.asarray(targets), device=x.device).long().reshape(-1)
+    target = _class_labels(targets).to(x.device)
     explainer = explainer_for(model, kwargs.get("backend", "reference"))
     if kwargs.get("reduce_channels", False):
         return explainer(x, target).contribution.unsqueeze(1).cpu().numpy()

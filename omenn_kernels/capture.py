@@ -4,19 +4,35 @@ The model is captured in eval semantics (BatchNorm running statistics, no dropou
 without changing it: every module's ``training`` flag is restored afterwards.
 Parameters and buffers are not copied; the captured program reads them from the
 model by name at every call, so an optimizer step or ``load_state_dict`` is seen.
+
+What a capture bakes in and does not re-read (hooks, submodules, which tensor objects
+are the parameters, their shapes, instance-level forwards) is summarized by
+:class:`ModelStructure`, so that a cached capture can be checked against the model.
+
+Capturing is serialized process-wide (:data:`CAPTURE_LOCK`): ``torch.export`` keeps its
+tracing modes in process-global slots, and while it traces a model it swaps that
+model's parameters and buffers for fake tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.nn.modules import module as module_internals
 
-from .errors import CaptureError
+from .errors import CaptureError, InputError
+
+CAPTURE_LOCK = threading.RLock()
+"""Held while ``torch.export`` traces a model, and while a model's parameters, buffers or
+structure are read, so that a reader never sees the fake tensors export puts in their place.
+Reentrant, so that a forward (or hook) that explains something while being captured does
+not deadlock."""
 
 
 @dataclass
@@ -45,21 +61,27 @@ def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
 def capture(model: torch.nn.Module, example: torch.Tensor) -> CapturedModel:
     """Capture ``model(example)`` with ``torch.export`` (non-strict) in eval semantics.
 
+    Thread-safe: captures run one at a time in the process (see :data:`CAPTURE_LOCK`).
+
     Raises:
+        InputError: export failed, and so does the model's own forward on ``example``
+            (e.g. an image with the wrong number of channels).
         CaptureError: the forward cannot be exported, takes other inputs, or does not
             return a single tensor.
     """
-    try:
-        with eval_semantics(model):
-            program = torch.export.export(model, (example,), strict=False)
-        program = program.run_decompositions({})  # functional ops, eval-mode norms
-    except Exception as error:  # export raises many unrelated types; report them as one
-        raise CaptureError(
-            f"torch.export could not capture {type(model).__name__}.forward on an input of shape "
-            f"{tuple(example.shape)} ({type(error).__name__}: {error}). OMENN needs a forward that "
-            "torch.export can trace: one tensor in, one tensor out, no data-dependent Python "
-            "control flow on tensor values."
-        ) from error
+    with CAPTURE_LOCK:
+        try:
+            with eval_semantics(model):
+                program = torch.export.export(model, (example,), strict=False)
+            program = program.run_decompositions({})  # functional ops, eval-mode norms
+        except Exception as error:  # export raises many unrelated types; report them as one
+            _check_forward_runs(model, example)
+            raise CaptureError(
+                f"torch.export could not capture {type(model).__name__}.forward on an input of shape "
+                f"{tuple(example.shape)} ({type(error).__name__}: {error}). OMENN needs a forward that "
+                "torch.export can trace: one tensor in, one tensor out, no data-dependent Python "
+                "control flow on tensor values."
+            ) from error
 
     signature = program.graph_signature
     user_inputs = [s for s in signature.input_specs if s.kind == InputKind.USER_INPUT]
@@ -82,6 +104,24 @@ def capture(model: torch.nn.Module, example: torch.Tensor) -> CapturedModel:
     return CapturedModel(program, program.graph, user_inputs[0].arg.name, bindings, outputs[0].arg.name)
 
 
+def _check_forward_runs(model: torch.nn.Module, example: torch.Tensor) -> None:
+    """Raise InputError if the model's own forward fails on ``example`` (eval semantics, no grad).
+
+    Distinguishes an input the model cannot take from a forward export cannot trace.
+    The buffers are replaced by copies for the call, so a forward that updates them
+    leaves the model's own unchanged.
+    """
+    buffers = {name: buffer.clone() for name, buffer in model.named_buffers(remove_duplicate=False)}
+    try:
+        with eval_semantics(model), torch.no_grad():
+            torch.func.functional_call(model, buffers, (example,), strict=False)
+    except Exception as error:  # whatever the model raises, it is the model's own failure
+        raise InputError(
+            f"the model's own forward fails on an input of shape {tuple(example.shape)} "
+            f"({type(error).__name__}: {error}); check the image size, channels and dtype it expects"
+        ) from error
+
+
 def bound_tensors(captured: CapturedModel, model: torch.nn.Module,
                   differentiable: bool = False) -> dict[str, object]:
     """The current parameters, buffers and constants of ``model`` for the graph's placeholders.
@@ -89,8 +129,9 @@ def bound_tensors(captured: CapturedModel, model: torch.nn.Module,
     Detached, unless ``differentiable``: then what is computed from them can be
     differentiated with respect to the model's parameters.
     """
-    named = dict(model.named_parameters(remove_duplicate=False))
-    named.update(model.named_buffers(remove_duplicate=False))
+    with CAPTURE_LOCK:  # not while another thread's export has swapped in fake tensors
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named.update(model.named_buffers(remove_duplicate=False))
     values: dict[str, object] = {}
     for name, (kind, target) in captured.bindings.items():
         if kind in (InputKind.PARAMETER, InputKind.BUFFER):
@@ -101,6 +142,169 @@ def bound_tensors(captured: CapturedModel, model: torch.nn.Module,
         else:
             values[name] = captured.program.constants[target]
     return values
+
+
+def reference_parameter(model: torch.nn.Module) -> torch.Tensor | None:
+    """The model's first floating-point parameter (its dtype and device), None if it has none."""
+    with CAPTURE_LOCK:  # not a fake tensor of another thread's export
+        return next((p for p in model.parameters() if p.is_floating_point()), None)
+
+
+def _global_hook_ids() -> tuple[tuple, tuple]:
+    """The handle ids of the forward (pre-)hooks registered for every module of the process."""
+    return (tuple(getattr(module_internals, "_global_forward_pre_hooks", ())),
+            tuple(getattr(module_internals, "_global_forward_hooks", ())))
+
+
+def _structure_key(model: torch.nn.Module) -> list:
+    """A flat summary of what :class:`ModelStructure` watches, cheap to compute at every call.
+
+    Holds object ids: equal keys mean the same objects only while the objects of one of
+    them are kept alive (``ModelStructure.pinned``), since CPython reuses the ids of freed
+    objects. Hook handle ids come from a counter and are never reused.
+    """
+    key: list = [_global_hook_ids()]
+    append = key.append
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        state = module.__dict__
+        append(id(module))
+        append(type(module))
+        pre_hooks, hooks = state.get("_forward_pre_hooks"), state.get("_forward_hooks")
+        if pre_hooks:
+            append(("pre-hooks", *pre_hooks))
+        if hooks:
+            append(("hooks", *hooks))
+        forward = state.get("forward")
+        if forward is not None:
+            append(("forward", id(forward)))
+        for table in (state.get("_parameters") or {}, state.get("_buffers") or {}):
+            for name, tensor in table.items():
+                append((name, id(tensor), tensor.shape, tensor.dtype) if tensor is not None else (name, None))
+        children = state.get("_modules")
+        if children:
+            append(tuple(children))
+            stack.extend(child for child in reversed(children.values()) if child is not None)
+    return key
+
+
+def _describe(model: torch.nn.Module) -> tuple[dict[str, dict], list]:
+    """Per module path, what :class:`ModelStructure` watches in readable form; and the objects it names."""
+    described: dict[str, dict] = {}
+    objects: list = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        state = module.__dict__
+        forward = state.get("forward")
+        tensors = {}
+        for kind, table in (("parameter", state.get("_parameters") or {}), ("buffer", state.get("_buffers") or {})):
+            for name, tensor in table.items():
+                tensors[name] = (kind, None) if tensor is None else \
+                    (kind, id(tensor), tuple(tensor.shape), tensor.dtype)
+                objects.append(tensor)
+        described[path] = {
+            "id": id(module), "type": type(module).__name__,
+            "pre_hooks": tuple(state.get("_forward_pre_hooks") or ()),
+            "hooks": tuple(state.get("_forward_hooks") or ()),
+            "forward": None if forward is None else id(forward), "tensors": tensors,
+        }
+        objects.extend((module, forward))
+    return described, objects
+
+
+def _name(path: str) -> str:
+    return f"'{path}'" if path else "the root module"
+
+
+def _tensor_change(name: str, old: tuple, new: tuple | None) -> str | None:
+    """How one parameter or buffer slot changed (None: it did not)."""
+    if new is None:
+        return f"{old[0]} '{name}' was removed"
+    if old == new:
+        return None
+    if old[1] is None or new[1] is None:
+        return f"{new[0]} '{name}' was set to {'None' if new[1] is None else 'a tensor'}"
+    if old[2:] != new[2:]:
+        return f"{new[0]} '{name}' changed from shape {old[2]} {old[3]} to shape {new[2]} {new[3]}"
+    return f"{new[0]} '{name}' was re-bound to another tensor"
+
+
+def _module_changes(path: str, old: dict, new: dict) -> list[str]:
+    """What changed in the module at ``path`` itself (not in its submodules)."""
+    if old["id"] != new["id"]:
+        return [f"the submodule {_name(path)} was replaced ({old['type']} by {new['type']})"]
+    changes = []
+    if old["type"] != new["type"]:
+        changes.append(f"the class of {_name(path)} changed from {old['type']} to {new['type']}")
+    if old["pre_hooks"] != new["pre_hooks"]:
+        changes.append(f"the forward pre-hooks of {_name(path)} changed")
+    if old["hooks"] != new["hooks"]:
+        changes.append(f"the forward hooks of {_name(path)} changed")
+    if old["forward"] != new["forward"]:
+        changes.append(f"the forward of {_name(path)} was replaced on the instance")
+    prefix = f"{path}." if path else ""
+    for name, slot in old["tensors"].items():
+        change = _tensor_change(prefix + name, slot, new["tensors"].get(name))
+        if change:
+            changes.append(change)
+    changes.extend(f"{slot[0]} '{prefix}{name}' was added" for name, slot in new["tensors"].items()
+                   if name not in old["tensors"])
+    return changes
+
+
+@dataclass
+class ModelStructure:
+    """What a capture of a model depends on but does not re-read when it runs.
+
+    Recorded with the capture: the model's forward (pre-)hooks and the process-wide
+    module hooks, every submodule (by path, object and class), forwards set on
+    instances, and which tensor objects the parameters and buffers are, with their
+    shapes and dtypes. Their values are not part of it: in-place updates (optimizer
+    steps, ``load_state_dict``) are read at every call anyway. Plain attributes of the
+    modules (``conv.stride``, a tensor that is not a buffer, Python numbers) are not
+    watched.
+    """
+
+    key: list
+    described: dict[str, dict]
+    global_hooks: tuple[tuple, tuple]
+    pinned: list  # every object whose id is in ``key``, kept alive so that no other object gets its id
+
+    @classmethod
+    def record(cls, model: torch.nn.Module) -> "ModelStructure":
+        """The structure of ``model`` now."""
+        with CAPTURE_LOCK:
+            described, objects = _describe(model)
+            return cls(_structure_key(model), described, _global_hook_ids(), objects)
+
+    def matches(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` still has this structure (one pass over its modules)."""
+        with CAPTURE_LOCK:
+            return _structure_key(model) == self.key
+
+    def changes(self, model: torch.nn.Module) -> str:
+        """One sentence saying how the structure of ``model`` differs from this one."""
+        with CAPTURE_LOCK:
+            described, _ = _describe(model)
+            global_hooks = _global_hook_ids()
+        changes = []
+        if global_hooks != self.global_hooks:
+            changes.append("the global module forward hooks (torch.nn.modules.module) changed")
+        replaced: list[str] = []
+        for path, old in self.described.items():
+            if any(path.startswith(f"{outer}.") for outer in replaced):
+                continue  # inside a replaced or removed submodule: reported there
+            new = described.get(path)
+            if new is None or new["id"] != old["id"]:
+                replaced.append(path)
+            if new is None:
+                changes.append(f"the submodule {_name(path)} was removed")
+            else:
+                changes.extend(_module_changes(path, old, new))
+        changes.extend(f"the submodule {_name(path)} was added" for path in described
+                       if path not in self.described
+                       and not any(path.startswith(f"{outer}.") for outer in replaced))
+        return "; ".join(changes) if changes else "the order of the model's submodules changed"
 
 
 def module_path(node: torch.fx.Node) -> str:

@@ -488,10 +488,11 @@ def test_explainer_sees_load_state_dict_and_replaced_parameters(capture_counter)
     model.load_state_dict(other.state_dict())
     e = explainer(x, 0)
     _assert_close(e.contribution, explain(other, x, 0).contribution)
+    assert len(capture_counter) == 2  # the explainer's one capture, and explain(other, ...)
     model[-1].weight = nn.Parameter(torch.randn(K, 8, dtype=DT))
     e = explainer(x, 0)
     assert _relative_error(e.contribution.sum((1, 2)), _logits(model, x)[:, 0]) <= RTOL_COMPLETE
-    assert len(capture_counter) == 2  # the explainer's one capture, and explain(other, ...)
+    assert len(capture_counter) == 3  # a re-bound parameter is a structural change: captured again
 
 
 # --------------------------------------------------------------------------- 6. Captum / Quantus
