@@ -115,7 +115,7 @@ def _readout(target: Target, batch: int, classes: int, device: torch.device) -> 
         if not 0 <= int(target) < classes:  # checked before torch.tensor, which overflows beyond 64 bits
             raise TargetError(f"target class out of range: got {int(target)}, the model has {classes} "
                               f"classes (valid: 0..{classes - 1})")
-        target = torch.tensor(int(target))
+        return torch.full((batch,), int(target), dtype=torch.long, device=device)
     if not isinstance(target, torch.Tensor):
         shown = reprlib.repr(target.item() if isinstance(target, np.generic) else target)
         raise TargetError(f"unsupported target type {type(target).__name__} ({shown}); use an int, "
@@ -125,8 +125,7 @@ def _readout(target: Target, batch: int, classes: int, device: torch.device) -> 
     if target.is_complex():
         raise TargetError(f"the target {_shown(target)} is complex ({target.dtype}); class indices must be "
                           "integers and read-out weights real floating-point numbers")
-    target = target.to(device)
-    if not target.is_floating_point():
+    if not target.is_floating_point():  # checked where the indices are: no device sync for host targets
         if target.dim() > 1:
             raise TargetError(f"integer targets must be a class index or (B,) indices; got shape "
                               f"{tuple(target.shape)}")
@@ -142,7 +141,8 @@ def _readout(target: Target, batch: int, classes: int, device: torch.device) -> 
         if bool(((indices < 0) | (indices >= classes)).any()):
             raise TargetError(f"target class out of range: got {indices.tolist()}, the model has "
                               f"{classes} classes (valid: 0..{classes - 1})")
-        return indices
+        return indices.to(device)
+    target = target.to(device)
     if target.dim() == 1 and target.numel() == classes:
         target = target.expand(batch, classes)
     if target.dim() != 2 or tuple(target.shape) != (batch, classes):

@@ -30,7 +30,7 @@ from ..capture import bound_tensors
 from ..errors import UnsupportedOpError
 from ..linearize.program import Kind, LinearizedProgram
 from ..linearize.registry import Rule, RuleError, op_name, unsupported
-from ..linearize.values import Gate, Live, contains, plain
+from ..linearize.values import Gate, Live, contains, ones_checks, plain
 
 Implementation = Callable[[Rule], Callable]
 ParameterGradient = Literal["total", "fixed_multipliers"]
@@ -90,22 +90,26 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     env: dict[str, object] = bound_tensors(captured, model, differentiable=parameter_gradient is not None)
     track_held = parameter_gradient == "total" and program.multipliers_follow_held
     env[captured.input_name] = Live(x, ones, x.detach() if track_held else None)
-    for step in program.steps:
-        node = step.node
-        args = _lookup_env(env, node.args)
-        kwargs = _lookup_env(env, node.kwargs)
-        if step.kind is Kind.CONST:  # may read only the shape of a LIVE argument
-            env[node.name] = node.target(*plain(args), **plain(kwargs))
-        elif step.kind is Kind.GATE:  # fixed multipliers: a gate computed with parameters ignores them
-            env[node.name] = _as_gate(node.target(*plain(args), **plain(kwargs)),
-                                      detached=parameter_gradient == "fixed_multipliers")
-        else:
-            try:
-                env[node.name] = implementation(step.rule)(node.target, *args, **kwargs)
-            except RuleError as error:
-                raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
-            if track_held and not _has_held(env[node.name]):
-                _attach_held(env[node.name], node.target(*plain(args), **plain(kwargs)))
+    ones_shape = tuple(ones.shape)
+    with ones_checks(verified=ones_shape in program.ones_verified) as checks:
+        for step in program.steps:
+            node = step.node
+            args = _lookup_env(env, node.args)
+            kwargs = _lookup_env(env, node.kwargs)
+            if step.kind is Kind.CONST:  # may read only the shape of a LIVE argument
+                env[node.name] = node.target(*plain(args), **plain(kwargs))
+            elif step.kind is Kind.GATE:  # fixed multipliers: a gate computed with parameters ignores them
+                env[node.name] = _as_gate(node.target(*plain(args), **plain(kwargs)),
+                                          detached=parameter_gradient == "fixed_multipliers")
+            else:
+                try:
+                    env[node.name] = implementation(step.rule)(node.target, *args, **kwargs)
+                except RuleError as error:
+                    raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
+                if track_held and not _has_held(env[node.name]):
+                    _attach_held(env[node.name], node.target(*plain(args), **plain(kwargs)))
+    if checks.shape_decided:
+        program.ones_verified.add(ones_shape)
     output = env[captured.output_name]
     if not isinstance(output, Live):
         producer = next((s for s in program.steps if s.node.name == captured.output_name), None)

@@ -13,7 +13,7 @@ Every LIVE node must have a rule; a missing one is reported before anything runs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -44,6 +44,9 @@ class LinearizedProgram:
 
     captured: CapturedModel
     steps: list[Step]
+    # Shapes of the input's ones on which a forward passed every ones check with the checks
+    # decided by shapes alone (linearize.values.OnesChecks): later forwards skip them.
+    ones_verified: set[tuple[int, ...]] = field(default_factory=set)
 
     @property
     def multipliers_follow_held(self) -> bool:

@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -85,12 +87,46 @@ def renormalized(pooled_ones: torch.Tensor) -> torch.Tensor:
     return torch.where(empty, torch.zeros_like(pooled_ones), pooled_ones / denominator)
 
 
+@dataclass
+class OnesChecks:
+    """The state of the ones checks during one forward of a linearized program.
+
+    The input's ones are all 1, and most rules compute ones from ones and shapes alone,
+    so where a bias meets a zero (:func:`require_reached`) is the same for every input of
+    one shape. ``verified``: a forward on ones of this shape passed every check with
+    ``shape_decided`` kept, so the checks can be skipped. ``shape_decided``: no rule of
+    this forward made its ones depend on values in a way a later input could change
+    (:func:`ones_from_values`).
+    """
+
+    verified: bool
+    shape_decided: bool = True
+
+
+_ONES_CHECKS: ContextVar[OnesChecks | None] = ContextVar("omenn_ones_checks", default=None)
+
+
+@contextlib.contextmanager
+def ones_checks(verified: bool) -> Iterator[OnesChecks]:
+    """The checks of one forward (see :class:`OnesChecks`); outside one, every check runs."""
+    checks = OnesChecks(verified)
+    token = _ONES_CHECKS.set(checks)
+    try:
+        yield checks
+    finally:
+        _ONES_CHECKS.reset(token)
+
+
 def require_reached(ones: torch.Tensor) -> None:
     """Refuse a bias added where the ones are 0: positions only zero padding reaches.
 
     The rule book gives padding no ones channel (R11); a bias added there could not be
-    attributed to any pixel, and the explanation would silently miss it.
+    attributed to any pixel, and the explanation would silently miss it. Skipped (no
+    read of the ones, no device sync) where a forward on ones of the same shape passed.
     """
+    checks = _ONES_CHECKS.get()
+    if checks is not None and checks.verified:
+        return
     if bool((ones == 0).any()):
         from .registry import RuleError
 
@@ -99,6 +135,21 @@ def require_reached(ones: torch.Tensor) -> None:
             "ones channel), so it cannot be attributed to any pixel and the explanation would not "
             "sum to the logit; use an input size that needs no padding before this layer",
             "a bias rule for padded positions (not in the rule book)")
+
+
+def ones_from_values(operand_ones: torch.Tensor | None) -> None:
+    """Declare that a rule's result ones depend on values, not on ones and shapes alone.
+
+    ``operand_ones``: the ones the result's are read from (max pooling at the arg-max,
+    softmax attention weighting them): where they have no zero the result's have none
+    either, whatever the values, so the checks stay decided by shapes. None: the result's
+    zeros can move with the values (weights that may be 0), so every forward checks.
+    """
+    checks = _ONES_CHECKS.get()
+    if checks is None or checks.verified or not checks.shape_decided:
+        return
+    if operand_ones is None or bool((operand_ones == 0).any()):
+        checks.shape_decided = False
 
 
 class _ParameterPath(torch.autograd.Function):

@@ -30,7 +30,7 @@ import torch
 
 from ..fused import kernels_available
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, plain, renormalized
+from ..values import Gate, Live, ones_from_values, plain, renormalized
 
 aten = torch.ops.aten
 
@@ -65,19 +65,23 @@ class _WeightedSum(torch.autograd.Function):
         return None, torch.matmul(grad.transpose(-2, -1), weights).transpose(-2, -1), None
 
 
-def attended(weights: torch.Tensor, values: Live, queries_are_tokens: bool = True) -> Live:
+def attended(weights: torch.Tensor, values: Live, queries_are_tokens: bool = True,
+             softmax_rows: bool = False) -> Live:
     """``A·V`` for constant attention weights ``A`` (…, Tq, Tk) and LIVE ``V`` (…, Tk, E).
 
     R6 (token identity) when the queries are the value tokens — computed from the
     input and as many — else R6'. Where ``V`` has a held value the result gets
     ``A·held``: the model's attention output from the weights already computed. The
     value is then that product's numbers (equal up to rounding), not a second T×T product.
+    ``softmax_rows``: every row of ``A`` is a softmax (positive weights summing to 1), so
+    R6' ones have a zero only where ``V``'s have one.
     """
     held = None if values.held is None else torch.matmul(weights, values.held)
     value = _WeightedSum.apply(weights, values.value, held)
     if queries_are_tokens and weights.shape[-1] == weights.shape[-2]:
         ones = values.ones  # R6: token identity
     else:
+        ones_from_values(values.ones if softmax_rows else None)
         ones = renormalized(torch.matmul(weights, values.ones))  # R6'
     return Live(value, ones, held)
 
@@ -278,7 +282,7 @@ def _sdpa(op, *args, **kwargs):
                                            product.view(*shape, value.value.shape[-1]))
             return Live(value_out, value.ones)
     weights = attention_weights(q, k, mask, is_causal, scale, False)
-    return attended(weights, value, queries_are_tokens=queries_are_tokens)
+    return attended(weights, value, queries_are_tokens=queries_are_tokens, softmax_rows=True)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Live, full_ones, renormalized
+from ..values import Live, full_ones, ones_from_values, renormalized
 
 aten = torch.ops.aten
 
@@ -75,6 +75,7 @@ def _max_pool(op, *args, **kwargs):
     the whole forward before it, and run every backward there again on them.
     """
     x, kernel, stride, padding, dilation, ceil_mode = arguments(op, args, kwargs)
+    ones_from_values(x.ones)  # the arg-max decides which ones are read
     spatial = x.value.dim() - 2
     pooled = x.value.detach()
     if pooled.device.type == "cpu" and pooled.dim() == 4 and pooled.shape[1] >= _CHANNELS_LAST_FROM:
