@@ -209,7 +209,12 @@ class Explainer:
 
     Args:
         model: any ``nn.Module`` whose forward maps one (B, C, H, W) tensor to (B, K) logits.
-        backend: ``"reference"`` (pure PyTorch) or ``"auto"``.
+        backend: ``"reference"`` (plain PyTorch autograd, the oracle), ``"fused"`` (one ones
+            value per pixel, fused ops), ``"compiled"`` (the fused explanation traced once per
+            input and target signature into one graph and compiled with Inductor; the
+            first call of a signature runs eagerly and compiles, ``create_graph`` and
+            read-outs given as functions run on ``"fused"``) or ``"auto"`` (``"fused"`` on
+            the CPU, ``"reference"`` elsewhere).
 
     Example:
         >>> explainer = Explainer(model)
@@ -343,7 +348,7 @@ def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
         x: (B, C, H, W) floating-point images on the model's device and dtype.
         target: an int class, (B,) integer classes, (K,) or (B, K) read-out weights, or
             None for each image's predicted class.
-        backend: ``"reference"`` or ``"auto"``.
+        backend: ``"reference"``, ``"fused"``, ``"compiled"`` or ``"auto"`` (see :class:`Explainer`).
         create_graph, parameter_gradient: an explanation differentiable with respect to
             the model's parameters (see :meth:`Explainer.__call__`). Training loops
             should keep one :class:`Explainer` (or use :func:`explainer_for`), which

@@ -2,14 +2,16 @@
 
 ``reference``: plain PyTorch autograd with a full-shape ones channel, the oracle.
 ``fused``: one ones value per pixel, fused kernels for the hot rules.
-``auto``: whichever of the two was measured faster on the input's device.
+``compiled``: the fused backend's explanation traced once per signature into one graph and compiled.
+``auto``: ``fused`` on the CPU, ``reference`` elsewhere: the faster of the two as measured there.
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from . import fused, reference
+from ..errors import OptionError
+from . import compiled, fused, reference
 
 
 def _fastest(program, model, x, target, parameter_gradient=None) -> tuple:
@@ -24,11 +26,11 @@ def _fastest(program, model, x, target, parameter_gradient=None) -> tuple:
 
 
 BACKENDS: dict[str, Callable] = {"reference": reference.explain_batch, "fused": fused.explain_batch,
-                                 "auto": _fastest}
+                                 "compiled": compiled.explain_batch, "auto": _fastest}
 
 
 def resolve(name: str) -> Callable:
     """The ``explain_batch`` function of backend ``name`` (``"auto"``: the fastest for the input's device)."""
     if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; available: " + ", ".join(repr(b) for b in BACKENDS))
+        raise OptionError(f"unknown backend {name!r}; available: " + ", ".join(repr(b) for b in BACKENDS))
     return BACKENDS[name]

@@ -47,6 +47,8 @@ class LinearizedProgram:
     # Shapes of the input's ones on which a forward passed every ones check with the checks
     # decided by shapes alone (linearize.values.OnesChecks): later forwards skip them.
     ones_verified: set[tuple[int, ...]] = field(default_factory=set)
+    # The compiled backend's explanations of this program, per target signature (backends.compiled).
+    compiled: dict[tuple, object] = field(default_factory=dict)
 
     @property
     def multipliers_follow_held(self) -> bool:

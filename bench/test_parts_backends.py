@@ -1,0 +1,52 @@
+"""The shipped parts models: each backend against a forward pass and input × gradient, CPU.
+
+    OMP_NUM_THREADS=1 python -m pytest bench/test_parts_backends.py --benchmark-json bench/results/parts_backends_cpu.json
+
+float32, 96×96, batch 1 and 32, one thread; each timed call explains class 3. Capture and
+compilation happen outside the timed region (``omenn_compiled``: the first call runs
+eagerly and compiles, the second runs the compiled graph once).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omenn_kernels import Explainer, models
+
+METHODS = ["forward", "input_x_gradient", "omenn_reference", "omenn_fused", "omenn_compiled"]
+
+
+@pytest.fixture(scope="module", params=[("parts_vit", 1), ("parts_vit", 32), ("parts_cnn", 1), ("parts_cnn", 32)],
+                ids=lambda p: f"{p[0]}-batch{p[1]}")
+def setup(request):
+    name, batch = request.param
+    model = models.load_pretrained(name).eval()
+    for param in model.parameters():
+        param.requires_grad_(False)
+    torch.manual_seed(0)
+    return name, model, torch.rand(batch, 3, 96, 96)
+
+
+def _input_x_gradient(model, x):
+    inputs = x.clone().requires_grad_(True)
+    (gradient,) = torch.autograd.grad(model(inputs)[:, 3].sum(), inputs)
+    return gradient * inputs
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_parts_backends(benchmark, setup, method):
+    name, model, x = setup
+    benchmark.group = f"{name} cpu float32 batch {x.shape[0]}"
+    if method == "forward":
+        def call():
+            with torch.no_grad():
+                return model(x)
+    elif method == "input_x_gradient":
+        call = lambda: _input_x_gradient(model, x)  # noqa: E731
+    else:
+        explainer = Explainer(model, backend=method.removeprefix("omenn_"))
+        call = lambda: explainer(x, 3)  # noqa: E731
+    for _ in range(2):
+        call()
+    benchmark.pedantic(call, rounds=10, iterations=3, warmup_rounds=0)

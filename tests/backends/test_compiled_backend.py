@@ -1,0 +1,173 @@
+"""The compiled backend: one traced graph per signature, equal to the reference, no host reads.
+
+Most tests compile with the traced aten graph itself (``COMPILER`` swapped for the
+identity): the trace is what decides the numbers and the ops, and Inductor's C++
+compilation of every family would take many minutes on a CI machine. One test compiles
+with Inductor. Tolerances are the fused backend's: relative (Frobenius) 1e-10 in
+float64, 1e-5 in float32.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from omenn_kernels import Explainer
+from omenn_kernels.backends import compiled, fused
+from omenn_kernels.testing import FAMILIES, randomize_
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+SYNC = torch.ops.aten._local_scalar_dense.default
+
+
+@pytest.fixture
+def traced(monkeypatch):
+    """Compile with the traced graph itself."""
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
+
+
+class _Dispatched(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _assert_equal_explanations(got, want, dtype) -> None:
+    for field in ("contribution", "weight", "bias"):
+        assert _relative(getattr(got, field), getattr(want, field)) <= TOLERANCE[dtype], field
+    assert _relative(got.logit, want.logit) <= TOLERANCE[dtype]
+    assert _relative(got.logits, want.logits) <= TOLERANCE[dtype]
+    assert torch.equal(got.target, want.target)
+
+
+def _model(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor]:
+    family = FAMILIES[name]
+    torch.manual_seed(5)
+    model = randomize_(family.build(), seed=5).to(dtype).eval()
+    return model, torch.randn(2, 3, family.size, family.size, dtype=dtype)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_compiled_equals_reference_on_every_family(name, traced):
+    """float64: one class per image, and three read-outs of one forward (``explain_targets``)."""
+    model, x = _model(name, torch.float64)
+    reference, explainer = Explainer(model, backend="reference"), Explainer(model, backend="compiled")
+    readouts = torch.randn(2, 3, reference(x).logits.shape[1], dtype=torch.float64)
+    target = torch.tensor([0, 2])
+    for _ in range(2):  # the first call of a signature runs eagerly and compiles; the second runs the graph
+        _assert_equal_explanations(explainer(x, target), reference(x, target), torch.float64)
+        _assert_equal_explanations(explainer.explain_targets(x, readouts), reference.explain_targets(x, readouts),
+                                   torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", ["vit", "cnn"])
+def test_compiled_equals_reference_for_every_kind_of_target(name, dtype, traced):
+    """The predicted class, an int, indices, contrastive read-out weights and several read-outs."""
+    model, x = _model(name, dtype)
+    reference, explainer = Explainer(model, backend="reference"), Explainer(model, backend="compiled")
+    classes = reference(x).logits.shape[1]
+    contrast = torch.zeros(classes, dtype=dtype)
+    contrast[0], contrast[1] = 1.0, -1.0
+    readouts = torch.randn(2, 3, classes, dtype=dtype)
+    for _ in range(2):
+        for target in (None, 1, torch.tensor([0, 2]), contrast):
+            _assert_equal_explanations(explainer(x, target), reference(x, target), dtype)
+        _assert_equal_explanations(explainer.explain_targets(x, readouts), reference.explain_targets(x, readouts),
+                                   dtype)
+
+
+@pytest.mark.parametrize("name", ["vit", "cnn"])
+def test_a_compiled_explanation_is_one_graph_and_reads_nothing_back(name, traced, monkeypatch):
+    """After the first call, an explanation runs the traced graph alone: no rule, no interpreter,
+    no ``_local_scalar_dense`` (a device sync on GPUs) besides the API's one input check."""
+    model, x = _model(name, torch.float32)
+    explainer = Explainer(model, backend="compiled")
+    explainer(x, 1)
+    program, _ = explainer.program(x)
+    (graph,) = program.compiled.values()
+    assert isinstance(graph, torch.fx.GraphModule)
+
+    def interpreted(*args, **kwargs):
+        raise AssertionError("the fused backend's interpreter ran")
+    monkeypatch.setattr(fused, "explain_batch", interpreted)
+    with _Dispatched() as inside:
+        compiled.explain_batch(program, model, x, torch.tensor([1, 1]))
+    assert SYNC not in inside.ops
+    with _Dispatched() as whole:
+        e = explainer(x, 1)
+    assert whole.ops.count(SYNC) == 1  # api._check_input's finiteness check
+    torch.testing.assert_close(e.contribution.sum((1, 2)), e.logit, rtol=1e-4, atol=1e-4)
+
+
+def test_a_failed_compilation_warns_once_and_falls_back(monkeypatch):
+    model, x = _model("cnn", torch.float64)
+
+    def failing(graph, example):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(compiled, "COMPILER", failing)
+    explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
+    with pytest.warns(RuntimeWarning, match="could not compile .*RuntimeError: no C\\+\\+ compiler"):
+        first = explainer(x, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = explainer(x, 1)
+    for e in (first, second):
+        _assert_equal_explanations(e, reference(x, 1), torch.float64)
+
+
+def test_a_compiled_graph_that_differs_is_not_used(monkeypatch):
+    model, x = _model("mlp", torch.float64)
+
+    def wrong(graph, example):
+        return lambda *inputs: tuple(t * 2 if t.is_floating_point() else t for t in graph(*inputs))
+    monkeypatch.setattr(compiled, "COMPILER", wrong)
+    explainer = Explainer(model, backend="compiled")
+    with pytest.warns(RuntimeWarning, match="differs from the fused backend's in its weight"):
+        explainer(x, 1)
+    _assert_equal_explanations(explainer(x, 1), Explainer(model, backend="reference")(x, 1), torch.float64)
+
+
+def test_compiled_explanations_are_kept_per_signature_and_bounded(traced, monkeypatch):
+    monkeypatch.setattr(compiled, "MAX_COMPILED", 2)
+    model, x = _model("mlp", torch.float64)
+    explainer = Explainer(model, backend="compiled")
+    traces = []
+    make_fx = compiled.make_fx
+    monkeypatch.setattr(compiled, "make_fx", lambda f: traces.append(1) or make_fx(f))
+    for target in (1, 1, None, torch.randn(2, 10, dtype=torch.float64)):
+        explainer(x, target)
+    assert len(traces) == 3  # indices, predicted, weights
+    program, _ = explainer.program(x)
+    assert [key[0] for key in program.compiled] == ["predicted", "weights"]
+
+
+def test_inductor_compiles_the_explanation_and_follows_parameter_updates():
+    """One real Inductor compilation (C++ on the CPU): equal to the reference, and an in-place
+    parameter update (an optimizer step) is seen by the compiled explanation."""
+    torch.manual_seed(6)
+    model = randomize_(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(),
+                                           torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5)), seed=6).eval()
+    x = torch.randn(2, 3, 6, 6)
+    explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        explainer(x, 2)
+        _assert_equal_explanations(explainer(x, 2), reference(x, 2), torch.float32)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.1 * torch.randn_like(parameter))
+        _assert_equal_explanations(explainer(x, 2), reference(x, 2), torch.float32)
+    program, _ = explainer.program(x)
+    assert not isinstance(next(iter(program.compiled.values())), torch.fx.GraphModule)
