@@ -4,7 +4,8 @@
 
 float32, 96×96, batch 1 and 32, one thread; each timed call explains class 3. Capture and
 compilation happen outside the timed region (``omenn_compiled``: the first call runs
-eagerly and compiles, the second runs the compiled graph once).
+eagerly and compiles, the second runs the compiled graph once;
+``input_x_gradient_compiled``: ``torch.compile`` of the forward and the backward).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from omenn_kernels import Explainer, models
 
-METHODS = ["forward", "input_x_gradient", "omenn_reference", "omenn_fused", "omenn_compiled"]
+METHODS = ["forward", "input_x_gradient", "input_x_gradient_compiled", "omenn_reference", "omenn_fused",
+           "omenn_compiled"]
 
 
 @pytest.fixture(scope="module", params=[("parts_vit", 1), ("parts_vit", 32), ("parts_cnn", 1), ("parts_cnn", 32)],
@@ -44,6 +46,9 @@ def test_parts_backends(benchmark, setup, method):
                 return model(x)
     elif method == "input_x_gradient":
         call = lambda: _input_x_gradient(model, x)  # noqa: E731
+    elif method == "input_x_gradient_compiled":
+        compiled = torch.compile(_input_x_gradient)
+        call = lambda: compiled(model, x)  # noqa: E731
     else:
         explainer = Explainer(model, backend=method.removeprefix("omenn_"))
         call = lambda: explainer(x, 3)  # noqa: E731

@@ -5,7 +5,7 @@ a channel of ones; one forward pass with detached multipliers and one backward p
 give, per pixel, contributions that sum to the explained logit.
 """
 
-from .api import Explainer, Explanation, explain, explainer_for, quantus_explain
+from .api import Explainer, Explanation, ReadoutFunction, explain, explainer_for, quantus_explain
 from .errors import (CaptureError, InputError, InputTypeError, OmennError, TargetError,
                      UnsupportedOpError)
 
@@ -13,5 +13,5 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError", "Explainer", "Explanation", "InputError", "InputTypeError", "OmennError",
-    "TargetError", "UnsupportedOpError", "explain", "explainer_for", "quantus_explain", "__version__",
+    "ReadoutFunction", "TargetError", "UnsupportedOpError", "explain", "explainer_for", "quantus_explain", "__version__",
 ]

@@ -18,11 +18,12 @@ from .backends.executor import PARAMETER_GRADIENTS, ParameterGradient
 from .capture import ModelStructure, capture, reference_parameter
 from .errors import InputError, InputTypeError, TargetError
 from .linearize import LinearizedProgram, linearize
+from .readout import ReadoutFunction
 
 log = logging.getLogger("omenn_kernels.api")
 
 Target = Union[int, Sequence[int], torch.Tensor, None]
-Readouts = Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+Readouts = Union[torch.Tensor, ReadoutFunction, Callable[[torch.Tensor], torch.Tensor]]
 
 
 @dataclass
@@ -213,8 +214,10 @@ class Explainer:
             value per pixel, fused ops), ``"compiled"`` (the fused explanation traced once per
             input and target signature into one graph and compiled with Inductor; the
             first call of a signature runs eagerly and compiles, ``create_graph`` and
-            read-outs given as functions run on ``"fused"``) or ``"auto"`` (``"fused"`` on
-            the CPU, ``"reference"`` elsewhere).
+            read-outs given as functions run on ``"fused"``) or ``"auto"``, the default: the
+            backend the committed benchmarks show fastest for the input's device type,
+            ``"fused"`` on the CPU and ``"reference"`` on CUDA (see
+            :func:`omenn_kernels.backends.resolve`).
 
     Example:
         >>> explainer = Explainer(model)
@@ -222,12 +225,14 @@ class Explainer:
         >>> e.contribution.sum((1, 2))  # == e.logit
     """
 
-    def __init__(self, model: torch.nn.Module, *, backend: str = "reference") -> None:
+    def __init__(self, model: torch.nn.Module, *, backend: str = "auto") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.backend = backend
         self._run = backends.resolve(backend)
+        # Per (input shape, dtype, device); a program that serves a range of batch sizes has
+        # the shape (None, C, H, W) and the range after the device.
         self._programs: dict[tuple, tuple[LinearizedProgram, int]] = {}
         self._structure: ModelStructure | None = None  # the model's structure the programs were captured with
         self._lock = threading.RLock()  # so that two threads do not capture the same signature
@@ -235,10 +240,15 @@ class Explainer:
     def program(self, x: torch.Tensor) -> tuple[LinearizedProgram, int]:
         """The linearized program for ``x``'s signature and the model's number of classes.
 
+        A program captured from a batch of two or more serves every batch size of at least
+        2 where the model's forward allows it (see :func:`~omenn_kernels.capture.capture`);
+        a batch of one has a program of its own.
+
         Captures the model if no program for the signature is cached, or if the model's
         structure changed since the cached ones were captured (they are then dropped).
         """
         key = (tuple(x.shape), x.dtype, x.device)
+        any_batch = (None, *x.shape[1:])  # the key's shape of a program that serves a range of batch sizes
         with self._lock:
             if self._structure is None or not self._structure.matches(self.model):
                 if self._programs:
@@ -246,15 +256,21 @@ class Explainer:
                              self._structure.changes(self.model))
                 self._programs = {}
                 self._structure = ModelStructure.record(self.model)
+            for (shared_shape, dtype, device, *_), entry in self._programs.items():
+                if (shared_shape, dtype, device) == (any_batch, x.dtype, x.device) and \
+                        entry[0].captured.serves_batch(x.shape[0]):
+                    return entry
             if key not in self._programs:
                 captured = capture(self.model, x)
                 program = linearize(captured)
                 output = next(n for n in captured.graph.nodes if n.name == captured.output_name)
-                shape = tuple(output.meta["val"].shape)
+                shape = (x.shape[0], *output.meta["val"].shape[1:]) if output.meta["val"].dim() else ()
                 if len(shape) != 2:
                     raise InputError(f"the model's output has shape {shape}; explain needs (batch, "
                                      "num_classes) logits")
-                self._programs[key] = (program, shape[1])
+                if captured.batch_range is not None:
+                    key = (any_batch, x.dtype, x.device, captured.batch_range)
+                self._programs[key] = (program, int(shape[1]))
             return self._programs[key]
 
     def __call__(self, x: torch.Tensor, target: Target = None, *, create_graph: bool = False,
@@ -294,7 +310,9 @@ class Explainer:
             readouts: (B, T, K) read-out weights (a one-hot row explains one class,
                 ``e_a − e_b`` the contrast of two), or a function that maps the detached
                 logits (B, K) of the shared forward to such weights, for targets that
-                depend on the prediction (predicted class, top-k).
+                depend on the prediction (predicted class, top-k): a
+                :class:`ReadoutFunction` (which the compiled backend compiles with the
+                explanation) or any callable (run on the fused backend).
             create_graph, parameter_gradient: as in :meth:`__call__`.
 
         Returns:
@@ -302,6 +320,8 @@ class Explainer:
             ``contribution`` (B, T, H, W) sums to ``logit`` (B, T); ``logits`` (B, K).
         """
         def checked(batch: int, classes: int, device: torch.device):
+            if isinstance(readouts, ReadoutFunction):
+                return readouts
             if callable(readouts):
                 return lambda logits: _multi_readout(readouts(logits), batch, classes, device)
             return _multi_readout(readouts, batch, classes, device)
@@ -339,7 +359,7 @@ class Explainer:
 
 
 def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
-            backend: str = "reference", create_graph: bool = False,
+            backend: str = "auto", create_graph: bool = False,
             parameter_gradient: ParameterGradient = "total") -> Explanation:
     """Explain ``model`` on ``x`` for ``target`` with OMENN (one capture, one forward, one backward).
 
@@ -372,7 +392,7 @@ _EXPLAINERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Explainer]]" 
 _EXPLAINERS_LOCK = threading.Lock()
 
 
-def explainer_for(model: torch.nn.Module, backend: str = "reference") -> Explainer:
+def explainer_for(model: torch.nn.Module, backend: str = "auto") -> Explainer:
     """The :class:`Explainer` of ``model`` and ``backend`` kept for repeated calls (held weakly).
 
     Code that explains the same model many times (Quantus metrics, attribution losses at
@@ -426,7 +446,7 @@ def quantus_explain(model: torch.nn.Module, inputs, targets, **kwargs) -> np.nda
     else:
         x = x.to(device=kwargs.get("device") or "cpu")
     target = _class_labels(targets).to(x.device)
-    explainer = explainer_for(model, kwargs.get("backend", "reference"))
+    explainer = explainer_for(model, kwargs.get("backend", "auto"))
     if kwargs.get("reduce_channels", False):
         return explainer(x, target).contribution.unsqueeze(1).cpu().numpy()
     return explainer.attribute(x, target).detach().cpu().numpy()

@@ -17,16 +17,22 @@ model's parameters and buffers for fake tensors.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Iterator
 
+import sympy
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.experimental.symbolic_shapes import free_symbols
+from torch.utils._sympy.numbers import int_oo
 from torch.nn.modules import module as module_internals
 
 from .errors import CaptureError, InputError
+
+log = logging.getLogger("omenn_kernels.capture")
 
 CAPTURE_LOCK = threading.RLock()
 """Held while ``torch.export`` traces a model, and while a model's parameters, buffers or
@@ -44,6 +50,16 @@ class CapturedModel:
     input_name: str
     bindings: dict[str, tuple[InputKind, str]]  # placeholder name -> (kind, FQN / constant name)
     output_name: str
+    # The batch sizes the graph holds for, (lowest, highest or None): the range export gave
+    # a symbolic batch dimension; None where the graph holds for the example's shape only.
+    batch_range: tuple[int, int | None] | None = None
+
+    def serves_batch(self, size: int) -> bool:
+        """Whether the graph holds for a batch of ``size`` (besides the example's own)."""
+        if self.batch_range is None:
+            return False
+        lowest, highest = self.batch_range
+        return lowest <= size and (highest is None or size <= highest)
 
 
 @contextlib.contextmanager
@@ -61,6 +77,12 @@ def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
 def capture(model: torch.nn.Module, example: torch.Tensor) -> CapturedModel:
     """Capture ``model(example)`` with ``torch.export`` (non-strict) in eval semantics.
 
+    Where ``example`` holds at least two samples, the batch dimension is exported as
+    symbolic (``Dim.AUTO``), so that one capture serves every batch size of at least 2;
+    a forward that fixes its batch size (or that export cannot trace with a symbolic one)
+    is captured for the example's shape alone (``CapturedModel.batch_dynamic``). A batch
+    of one is always captured on its own: export specializes sizes 0 and 1.
+
     Thread-safe: captures run one at a time in the process (see :data:`CAPTURE_LOCK`).
 
     Raises:
@@ -72,7 +94,7 @@ def capture(model: torch.nn.Module, example: torch.Tensor) -> CapturedModel:
     with CAPTURE_LOCK:
         try:
             with eval_semantics(model):
-                program = torch.export.export(model, (example,), strict=False)
+                program = _export(model, example)
             program = program.run_decompositions({})  # functional ops, eval-mode norms
         except Exception as error:  # export raises many unrelated types; report them as one
             _check_forward_runs(model, example)
@@ -101,7 +123,31 @@ def capture(model: torch.nn.Module, example: torch.Tensor) -> CapturedModel:
         for spec in signature.input_specs
         if spec.kind != InputKind.USER_INPUT
     }
-    return CapturedModel(program, program.graph, user_inputs[0].arg.name, bindings, outputs[0].arg.name)
+    return CapturedModel(program, program.graph, user_inputs[0].arg.name, bindings, outputs[0].arg.name,
+                         _batch_range(program, user_inputs[0].arg.name))
+
+
+def _batch_range(program: ExportedProgram, input_name: str) -> tuple[int, int | None] | None:
+    """The batch sizes ``program`` holds for, where its batch dimension is symbolic."""
+    batch = next(n for n in program.graph.nodes if n.name == input_name).meta["val"].shape[0]
+    symbols = free_symbols(batch)
+    if len(symbols) != 1 or batch.node.expr not in symbols:  # fixed, or tied to another size
+        return None
+    ranges = program.range_constraints.get(batch.node.expr)
+    if ranges is None:
+        return None
+    return int(ranges.lower), (None if ranges.upper in (int_oo, sympy.oo) else int(ranges.upper))
+
+
+def _export(model: torch.nn.Module, example: torch.Tensor) -> ExportedProgram:
+    """``torch.export`` of ``model(example)``, with a symbolic batch dimension where it can be one."""
+    if example.dim() > 0 and example.shape[0] >= 2:
+        try:
+            return torch.export.export(model, (example,), dynamic_shapes=({0: torch.export.Dim.AUTO},),
+                                       strict=False)
+        except Exception as error:  # a forward that export traces only with a fixed batch size
+            log.debug("%s captured for batch size %d alone: %s", type(model).__name__, example.shape[0], error)
+    return torch.export.export(model, (example,), strict=False)
 
 
 def _check_forward_runs(model: torch.nn.Module, example: torch.Tensor) -> None:
@@ -310,7 +356,9 @@ class ModelStructure:
 def module_path(node: torch.fx.Node) -> str:
     """The dotted path of the innermost submodule whose forward produced ``node``."""
     stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
+    # export marks nodes made outside any module's forward (a dynamic batch size) with a placeholder entry
+    paths = [path for path, _ in stack.values() if not path.startswith("_empty_nn_module_stack")]
+    if not paths:
         return ""
-    path = list(stack.values())[-1][0]
+    path = paths[-1]
     return path.replace("L['self'].", "").replace("L['self']", "")

@@ -10,6 +10,8 @@ change lowers its count.
 from __future__ import annotations
 
 import collections
+import os
+import warnings
 
 import pytest
 import timm
@@ -71,3 +73,32 @@ def test_ops_and_syncs_per_explanation(name):
         assert ops <= COMMITTED_OPS[name, backend], (
             f"{name} on {backend}: {ops} aten ops per explanation ({ratio:.2f}× input × gradient), "
             f"committed {COMMITTED_OPS[name, backend]}")
+
+
+# The compiled backend, compiled by Inductor: what remains dispatched are the graph's extern
+# calls (matrix products, convolutions, the custom ops of the fused rules). Compiling the
+# ImageNet-size models takes minutes on a CI machine: they run with OMENN_COMPILE_LARGE=1.
+COMMITTED_COMPILED_OPS = {"parts_vit": 77, "parts_cnn": 99, "vit_base_patch16_224": 205, "resnet50": 439}
+LARGE = pytest.mark.skipif(os.environ.get("OMENN_COMPILE_LARGE") != "1",
+                           reason="compiles for minutes; set OMENN_COMPILE_LARGE=1")
+
+
+@pytest.mark.parametrize("name", ["parts_vit", "parts_cnn", pytest.param("vit_base_patch16_224", marks=LARGE),
+                                  pytest.param("resnet50", marks=LARGE)])
+def test_ops_and_syncs_per_compiled_explanation(name):
+    model, x = _model(name)
+    _input_times_gradient(model, x)
+    with _Counted() as gradient:
+        _input_times_gradient(model, x)
+    explainer = Explainer(model, backend="compiled")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a compilation that falls back warns
+        explainer(x, 3)
+    with _Counted() as explanation:
+        explainer(x, 3)
+    ops = sum(explanation.ops.values())
+    assert explanation.ops[SYNC] <= MAX_SYNCS, explanation.ops[SYNC]
+    assert ops <= sum(gradient.ops.values()), "more ops than one input × gradient"
+    print(f"{name} compiled: {ops} aten ops, {ops / sum(gradient.ops.values()):.2f}× input × gradient")
+    assert ops <= COMMITTED_COMPILED_OPS[name], (
+        f"{name} compiled: {ops} aten ops per explanation, committed {COMMITTED_COMPILED_OPS[name]}")

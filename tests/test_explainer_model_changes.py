@@ -290,7 +290,7 @@ def test_explain_two_models_in_two_threads_at_once():
 def test_explanations_while_the_same_model_is_captured_in_another_thread():
     # torch.export swaps the model's parameters for fake tensors while it traces it.
     model, x = make_cnn(), make_input()
-    explainer = Explainer(model)
+    explainer = Explainer(model, backend="reference")
     expected = explainer(x, 3)
     done = threading.Event()
     problems: list = []

@@ -3,7 +3,7 @@
 ``reference``: plain PyTorch autograd with a full-shape ones channel, the oracle.
 ``fused``: one ones value per pixel, fused kernels for the hot rules.
 ``compiled``: the fused backend's explanation traced once per signature into one graph and compiled.
-``auto``: ``fused`` on the CPU, ``reference`` elsewhere: the faster of the two as measured there.
+``auto`` (the default): ``fused`` on the CPU, ``reference`` elsewhere: the fastest as measured there.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from . import compiled, fused, reference
 
 
 def _fastest(program, model, x, target, parameter_gradient=None) -> tuple:
-    """``fused`` for CPU inputs, ``reference`` for the others: the faster one as measured.
-
-    On an H100 (bench/results/end_to_end_gpu.json, batch 64, bfloat16) the reference's
-    cuDNN and cuBLAS calls beat the Triton kernels, whose launches through custom ops
-    cost more than they save (ViT-B/16: 63 ms against 91 ms; ResNet-50: 76 against 153).
+    """The backend the committed benchmarks show fastest for first-order explanations on
+    the input's device type: ``fused`` on the CPU (``bench/results/end_to_end_cpu.json``,
+    ``parts_backends_cpu.json``: ``compiled`` is faster only at small batches, after a
+    compilation of tens of seconds per signature), ``reference`` on CUDA
+    (``end_to_end_gpu.json``: cuDNN and cuBLAS beat the Triton kernels launched op by op;
+    ``compiled`` is not measured there yet).
     """
     backend = fused if x.device.type == "cpu" else reference
     return backend.explain_batch(program, model, x, target, parameter_gradient)

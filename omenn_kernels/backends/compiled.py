@@ -1,22 +1,26 @@
 """The compiled backend: each explanation traced once per signature into one aten graph, then compiled.
 
-The first call for a signature (the program's input shape, dtype and device, and the
-kind and shape of the target) runs the fused backend eagerly, which also settles the
+The first call for a signature (the input's shape, dtype and device, and the kind and
+shape of the target) runs the fused backend eagerly, which also settles the
 ones checks for the input's shape (:class:`~omenn_kernels.linearize.values.OnesChecks`),
 so that nothing is read back to the host afterwards. It then traces the whole
 explanation — the linearized forward, the read-out and the backward to the input and
 the ones, every read-out of ``explain_targets`` included — with ``make_fx`` into one aten
 graph, and compiles that graph (Inductor; CUDA graphs on CUDA). Later calls with the
-same signature run the compiled graph only: no Python per node, no rule dispatch.
+same signature run the compiled graph only: no Python per node, no rule dispatch. A
+program that serves several batch sizes (:func:`~omenn_kernels.capture.capture`) is
+traced and compiled once per batch size, without capturing or linearizing again.
 
 The model's parameters enter the graph as the tensors themselves, so in-place updates
 (optimizer steps, ``load_state_dict``) are seen; a re-bound parameter is a structural
 change, on which the :class:`~omenn_kernels.api.Explainer` captures and compiles anew.
 
-Run on the fused backend instead: explanations with ``create_graph`` (the training path),
-read-outs given as a function of the logits (what such a function reads besides the
-logits would be baked into the graph), and any signature whose trace or compilation
-failed (one warning naming the cause; the explanation is the fused backend's).
+Read-outs given as a :class:`~omenn_kernels.readout.ReadoutFunction` are traced into the
+graph, with their tensor arguments as graph inputs. Run on the fused backend instead:
+explanations with ``create_graph`` (the training path), read-outs given as any other
+function of the logits (what such a function reads besides the logits would be baked
+into the graph), and any signature whose trace or compilation failed (one warning naming
+the cause; the explanation is the fused backend's).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..capture import CAPTURE_LOCK
 from ..linearize.program import LinearizedProgram
+from ..readout import ReadoutFunction
 from . import fused
 from .executor import ParameterGradient
 
@@ -40,9 +45,16 @@ Compiler = Callable[[torch.fx.GraphModule, list[torch.Tensor]], Callable]
 
 
 def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callable:
-    """``graph`` compiled by Inductor as one graph; under CUDA graphs where the inputs are on CUDA."""
+    """``graph`` compiled by Inductor as one graph; under CUDA graphs where the inputs are on CUDA.
+
+    The graph is already one aten graph, so it goes to Inductor directly (no Dynamo: no
+    guards to check per call). Compiled without autograd: the graph holds the backward.
+    """
+    from torch._inductor.compile_fx import compile_fx  # imported on first use: it loads all of Inductor
+
     cuda = any(t.is_cuda for t in example)
-    return torch.compile(graph, fullgraph=True, dynamic=False, mode="reduce-overhead" if cuda else None)
+    with torch.no_grad():
+        return compile_fx(graph, example, config_patches={"triton.cudagraphs": cuda})
 
 
 # What compiles a traced explanation; tests may swap in a cheaper one (the traced graph itself).
@@ -52,20 +64,33 @@ MAX_COMPILED = 8
 
 
 def _signature(x: torch.Tensor, target) -> tuple:
-    """What a compiled explanation is specialized on besides the program's input signature:
-    the target's kind and shape, and autocast (the trace records its casts)."""
+    """What a compiled explanation is specialized on: the input's shape (a program may serve
+    several batch sizes), the target's kind and shape (a read-out function: the function object
+    and its arguments' shapes), and autocast (the trace records its casts)."""
     device = x.device.type
     autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
     if target is None:
-        return ("predicted", autocast)
+        return ("predicted", tuple(x.shape), autocast)
+    if isinstance(target, ReadoutFunction):
+        return ("function", tuple(x.shape), target.function,
+                tuple((tuple(a.shape), a.dtype, a.device) for a in target.arguments), autocast)
     kind = "indices" if not target.is_floating_point() else "weights"
-    return (kind, tuple(target.shape), target.dtype, target.device, autocast)
+    return (kind, tuple(x.shape), tuple(target.shape), target.dtype, target.device, autocast)
+
+
+def _graph_inputs(x: torch.Tensor, target) -> list[torch.Tensor]:
+    """The compiled graph's inputs: the images, then the target's tensors."""
+    if target is None:
+        return [x]
+    if isinstance(target, ReadoutFunction):
+        return [x, *target.arguments]
+    return [x, target]
 
 
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                   target, parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
     """``(C_w, C_b, ŷ, target, logits)`` from the compiled graph of this signature (see the module docstring)."""
-    if parameter_gradient is not None or callable(target):
+    if parameter_gradient is not None or (callable(target) and not isinstance(target, ReadoutFunction)):
         return fused.explain_batch(program, model, x, target, parameter_gradient)
     key = _signature(x, target)
     compiled = program.compiled.pop(key, None)
@@ -78,7 +103,7 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     if compiled is _FAILED:
         return fused.explain_batch(program, model, x, target)
     with torch.no_grad():  # the graph holds the backward already; the parameters it reads need none
-        return compiled(x) if target is None else compiled(x, target)
+        return compiled(*_graph_inputs(x, target))
 
 
 def _keep(program: LinearizedProgram, key: tuple, compiled: Callable | object) -> None:
@@ -99,11 +124,14 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     or the compiled graph does not reproduce the fused backend's explanation.
     """
     def explanation(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        weight, bias, explained, chosen, logits = fused.explain_batch(
-            program, model, inputs[0], inputs[1] if len(inputs) > 1 else None)
+        if isinstance(target, ReadoutFunction):
+            traced_target = ReadoutFunction(target.function, tuple(inputs[1:]))
+        else:
+            traced_target = inputs[1] if len(inputs) > 1 else None
+        weight, bias, explained, chosen, logits = fused.explain_batch(program, model, inputs[0], traced_target)
         return weight.detach(), bias.detach(), explained.detach(), chosen, logits.detach()
 
-    example = [x] if target is None else [x, target]
+    example = _graph_inputs(x, target)
     start = time.perf_counter()
     try:
         graph = make_fx(explanation)(*example)

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from .. import __version__
 from ..api import Explainer
+from ..readout import ReadoutFunction
 from ..errors import OmennError, OptionError, StoreError, TargetError
 from .images import ImageFiles, ImageList, collate_images, list_images
 from .lock import StoreLock
@@ -353,10 +354,17 @@ class _BatchExplainer:
         self.spec = spec
         self.classes = classes
         self.labels = torch.tensor(images.labels) if spec.needs_labels else None
+        if self.labels is not None:
+            spec.check_labels(self.labels, classes)
+        self.readout_weights = self._readout_weights  # one function object: the compiled backend's key
         self.paths = images.paths
         self.device = device
         self.autocast = AUTOCAST_DTYPES[config.dtype]
         self.store_dtype = STORE_DTYPES[config.store_dtype]
+
+    def _readout_weights(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The (B, T, K) read-out weights of the target specification for a batch's logits."""
+        return readout_weights(self.spec.pairs(logits, labels), self.classes, torch.float32)
 
     def _empty(self, rows: int, image_shape: tuple[int, ...]) -> dict[str, np.ndarray]:
         t, (c, h, w) = self.spec.count, image_shape
@@ -386,16 +394,12 @@ class _BatchExplainer:
         if self.labels is not None:
             labels = self.labels[batch["readable"]].to(self.device)
             labels = torch.cat([labels, labels[:1].expand(padding)])
-        pairs: list[torch.Tensor] = []
-
-        def readouts(logits: torch.Tensor) -> torch.Tensor:
-            pairs.append(self.spec.resolve(logits, labels))
-            return readout_weights(pairs[-1], self.classes, torch.float32)
-
+        readouts = ReadoutFunction(self.readout_weights, () if labels is None else (labels,))
         with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext():
             e = self.explainer.explain_targets(x, readouts)
+        # the pairs the read-outs were made of: the same function of the same logits
         outputs = {"contribution": e.contribution, "bias": e.bias, "explained": e.logit, "logits": e.logits,
-                   "targets": pairs[0]}
+                   "targets": self.spec.pairs(e.logits, labels)}
         if "weighted_input" in arrays:
             outputs["weighted_input"] = e.weight * x.unsqueeze(1)
         for name, values in outputs.items():

@@ -75,22 +75,34 @@ class TargetSpec:
         Args:
             logits: (B, K) logits of the batch.
             labels: (B,) folder labels, or None.
+
+        Raises:
+            TargetError: the specification reads labels that are missing or out of range.
         """
-        columns: list[torch.Tensor] = []
+        if self.needs_labels:
+            self.check_labels(labels, logits.shape[1])
+        return self.pairs(logits, labels)
+
+    def check_labels(self, labels: torch.Tensor | None, classes: int) -> None:
+        """Raise :class:`TargetError` unless every image has a folder label below ``classes``."""
+        if labels is None or bool((labels < 0).any()):
+            raise TargetError("the target 'label' needs a folder label for every image")
+        if bool((labels >= classes).any()):
+            raise TargetError(f"a folder label is out of range for a model with {classes} classes")
+
+    def pairs(self, logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`resolve` for labels that passed :meth:`check_labels`: tensor operations only,
+        no value read back, so that the compiled backend can trace it."""
         none = torch.full((logits.shape[0],), NO_CLASS, dtype=torch.long, device=logits.device)
 
         def lookup(ref: ClassRef) -> torch.Tensor:
             if ref == "predicted":
                 return logits.argmax(-1)
             if ref == "label":
-                if labels is None or bool((labels < 0).any()):
-                    raise TargetError("the target 'label' needs a folder label for every image")
-                if bool((labels >= logits.shape[1]).any()):
-                    raise TargetError(f"a folder label is out of range for a model with "
-                                      f"{logits.shape[1]} classes")
                 return labels.to(device=logits.device, dtype=torch.long)
             return torch.full_like(none, ref)
 
+        columns: list[torch.Tensor] = []
         for item in self.items:
             if item[0] == "class":
                 columns.append(torch.stack([lookup(item[1]), none], -1))

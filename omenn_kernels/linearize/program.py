@@ -19,7 +19,7 @@ from enum import Enum
 import torch
 
 from ..capture import CapturedModel, module_path
-from .registry import Rule, lookup, unsupported
+from .registry import Rule, lookup, op_name, unsupported
 
 
 class Kind(Enum):
@@ -49,6 +49,17 @@ class LinearizedProgram:
     ones_verified: set[tuple[int, ...]] = field(default_factory=set)
     # The compiled backend's explanations of this program, per target signature (backends.compiled).
     compiled: dict[tuple, object] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        """The program as a table: one line per node with its kind, rule and module path."""
+        lines = [f"LinearizedProgram of {len(self.steps)} nodes: input {self.captured.input_name}, "
+                 f"output {self.captured.output_name}",
+                 f"{'node':<28} {'operation':<34} {'kind':<5} {'rule':<32} module"]
+        for step in self.steps:
+            operation = op_name(step.node.target) if callable(step.node.target) else str(step.node.target)
+            rule = step.rule.name if step.rule is not None else "-"
+            lines.append(f"{step.node.name:<28} {operation:<34} {step.kind.value:<5} {rule:<32} {step.module_path}")
+        return "\n".join(lines)
 
     @property
     def multipliers_follow_held(self) -> bool:

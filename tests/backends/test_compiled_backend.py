@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from omenn_kernels import Explainer
+from omenn_kernels import Explainer, ReadoutFunction, TargetError
 from omenn_kernels.backends import compiled, fused
 from omenn_kernels.testing import FAMILIES, randomize_
 
@@ -171,3 +171,35 @@ def test_inductor_compiles_the_explanation_and_follows_parameter_updates():
         _assert_equal_explanations(explainer(x, 2), reference(x, 2), torch.float32)
     program, _ = explainer.program(x)
     assert not isinstance(next(iter(program.compiled.values())), torch.fx.GraphModule)
+
+
+def test_a_readout_function_is_compiled_with_its_arguments_as_inputs(traced, monkeypatch):
+    """A :class:`ReadoutFunction` (the bulk runner's targets: predicted, labels, contrasts) is
+    traced into the graph; new argument values are read at every call, not baked in."""
+    model, x = _model("cnn", torch.float64)
+    reference, explainer = Explainer(model, backend="reference"), Explainer(model, backend="compiled")
+    classes = reference(x).logits.shape[1]
+
+    def label_minus_predicted(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Two read-outs per image: the label, and the label minus the predicted class."""
+        label, predicted = (torch.zeros_like(logits).scatter(1, c.unsqueeze(1), 1.0)  # one_hot reads values
+                            for c in (labels, logits.argmax(-1)))
+        return torch.stack([label, label - predicted], 1)
+
+    traces = []
+    make_fx = compiled.make_fx
+    monkeypatch.setattr(compiled, "make_fx", lambda f: traces.append(1) or make_fx(f))
+    for labels in (torch.tensor([0, 3]), torch.tensor([4, 1]), torch.tensor([2, 2])):
+        readouts = ReadoutFunction(label_minus_predicted, (labels,))
+        _assert_equal_explanations(explainer.explain_targets(x, readouts),
+                                   reference.explain_targets(x, readouts), torch.float64)
+    assert len(traces) == 1
+    program, _ = explainer.program(x)
+    (key,) = program.compiled
+    assert key[0] == "function" and isinstance(program.compiled[key], torch.fx.GraphModule)
+
+
+def test_a_readout_function_of_the_wrong_shape_is_a_clear_error(traced):
+    model, x = _model("mlp", torch.float64)
+    with pytest.raises(TargetError, match=r"returned shape \(2, 10\) .* of shape \(2, T, 10\)"):
+        Explainer(model, backend="compiled").explain_targets(x, ReadoutFunction(lambda logits: logits))

@@ -168,3 +168,23 @@ def test_read_ahead_keeps_order_raises_reading_errors_and_stops_on_close():
     assert next(endless) == 0
     endless.close()
     assert not any(t.name == "omenn-image-reader" and t.is_alive() for t in threading.enumerate())
+
+
+def test_the_compiled_backend_writes_the_reference_store(multi_target_store, parts_folder, tmp_path, monkeypatch):
+    """``--backend compiled``: every batch after the first runs the traced explanation, target
+    resolution (predicted, label, top-k, contrasts) included, with each batch's labels as inputs."""
+    from omenn_kernels.backends import compiled, fused
+    traced = []
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: traced.append(graph) or graph)
+    eager = []
+    explain_batch = fused.explain_batch
+    monkeypatch.setattr(fused, "explain_batch", lambda *args: eager.append(1) or explain_batch(*args))
+    out = tmp_path / "compiled.zarr"
+    summary = explain_folder(_config(parts_folder, out, backend="compiled"))
+    assert summary.explained == 20 and len(traced) == 1
+    assert len(eager) == 2  # the first batch's eager run and its trace; the other two batches ran the graph
+    _, reference = multi_target_store
+    store = AttributionStore.open(out)
+    assert np.array_equal(store.read("targets"), reference.read("targets"))
+    for name in ("contribution", "weighted_input", "bias", "explained", "logits"):
+        np.testing.assert_allclose(store.read(name), reference.read(name), rtol=1e-4, atol=1e-5, err_msg=name)

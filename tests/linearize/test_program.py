@@ -218,3 +218,15 @@ def test_sigmoid_scaled_by_a_constant_is_an_activation():
     xi = ((2 * torch.sigmoid(y) - 1) / y).detach()
     (cw,) = torch.autograd.grad(model.head((y * xi).flatten(1))[:, 1].sum(), xg)
     torch.testing.assert_close(e.weight, cw, rtol=1e-10, atol=1e-13)
+
+
+def test_a_program_prints_as_a_table_of_its_nodes():
+    """``print(program)``: a header, then per node its name, op, kind, rule and module path."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)).to(DT)
+    program = linearize(capture(model, torch.randn(2, 3, 6, 6, dtype=DT)))
+    lines = str(program).splitlines()
+    assert len(lines) == 2 + len(program.steps)
+    table = {line.split()[0]: line.split() for line in lines[2:]}
+    assert table["conv2d"][1:4] == ["aten.conv2d.default", "live", "R2"] and table["conv2d"][-1] == "0"
+    assert table["relu"][-1] == "1" and table["linear"][-1] == "3"
+    assert table["sym_size_int_1"][1:4] == ["aten.sym_size.int", "const", "-"]  # the symbolic batch size

@@ -238,7 +238,7 @@ register([aten.dropout, aten.feature_dropout, aten.alpha_dropout],
          Rule("R10 eval-mode dropout (identity)", _eval_dropout, transparent=True,
               held_multipliers=False))
 register([aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.new_zeros,
-          aten.new_ones, aten.new_empty, aten.new_full],
+          aten.new_ones, aten.new_empty, aten.new_full, aten.sym_size, aten.sym_numel, aten.sym_stride],
          Rule("shape only (CONST)", None, shape_only=True))
 register([aten._assert_tensor_metadata],
          Rule("R10 metadata check", _metadata_check, transparent=True, held_multipliers=False))

@@ -1,0 +1,120 @@
+"""One capture serves every batch size of at least 2: no new ``torch.export``, no new linearization.
+
+Explanations at every size equal a reference run at that size alone (float64, relative
+Frobenius 1e-10). A batch of one and a forward that fixes its batch size are captured for
+their own shape, and stay exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import omenn_kernels.api as api
+from omenn_kernels import Explainer
+from omenn_kernels.backends import compiled
+from omenn_kernels.testing import FAMILIES, randomize_
+
+TOLERANCE = 1e-10
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+@pytest.fixture
+def counted(monkeypatch) -> dict[str, int]:
+    """How often ``torch.export`` and the linearizer run (spies around the real functions)."""
+    counts = {"export": 0, "linearize": 0}
+    export, linearize = torch.export.export, api.linearize
+
+    def counted_export(*args, **kwargs):
+        counts["export"] += 1
+        return export(*args, **kwargs)
+
+    def counted_linearize(*args, **kwargs):
+        counts["linearize"] += 1
+        return linearize(*args, **kwargs)
+    monkeypatch.setattr(torch.export, "export", counted_export)
+    monkeypatch.setattr(api, "linearize", counted_linearize)
+    return counts
+
+
+def _check(got, want) -> None:
+    for field in ("contribution", "weight", "bias", "logit", "logits"):
+        assert _relative(getattr(got, field), getattr(want, field)) <= TOLERANCE, field
+
+
+@pytest.mark.parametrize("name, backend", [("vit", "fused"), ("resnet", "fused"), ("cnn", "compiled")])
+def test_one_capture_serves_every_batch_size(name, backend, counted, monkeypatch):
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)  # the trace itself; see
+    family = FAMILIES[name]                                                  # test_compiled_backend.py
+    torch.manual_seed(3)
+    model = randomize_(family.build(), seed=3).double().eval()
+    explainer = Explainer(model, backend=backend)
+    images = {size: torch.randn(size, 3, family.size, family.size, dtype=torch.float64) for size in (3, 2, 5)}
+    got = {size: (explainer(x, 1), explainer(x, 1)) for size, x in images.items()}
+    assert counted == {"export": 1, "linearize": 1}
+    for size, x in images.items():
+        want = Explainer(model, backend="reference")(x, 1)
+        for explanation in got[size]:
+            _check(explanation, want)
+    if backend == "compiled":  # one traced graph per batch size, from the one program
+        (program, _), = explainer._programs.values()
+        assert sorted(key[1][0] for key in program.compiled) == [2, 3, 5]
+
+
+def test_a_batch_of_one_has_its_own_capture(counted):
+    family = FAMILIES["cnn"]
+    torch.manual_seed(4)
+    model = randomize_(family.build(), seed=4).double().eval()
+    explainer = Explainer(model, backend="fused")
+    for size in (1, 4, 1, 2):
+        x = torch.randn(size, 3, family.size, family.size, dtype=torch.float64)
+        _check(explainer(x, 2), Explainer(model, backend="reference")(x, 2))
+    assert counted["linearize"] == 2 + 4  # batch 1 and batch ≥ 2 here; one each for the four reference runs
+
+
+class _FixedBatch(nn.Module):
+    """A forward written for one batch size: ``view(4, -1)`` fixes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).view(4, -1))
+
+
+def test_a_forward_that_fixes_its_batch_size_is_captured_per_size(counted):
+    torch.manual_seed(5)
+    model = randomize_(_FixedBatch(), seed=5).double().eval()
+    explainer = Explainer(model, backend="fused")
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    _check(explainer(x, 0), Explainer(model, backend="reference")(x, 0))
+    (key,) = explainer._programs
+    assert key[0] == (4, 3, 6, 6)  # not shared with other batch sizes
+    with pytest.raises(Exception, match="shape"):
+        explainer(torch.randn(3, 3, 6, 6, dtype=torch.float64), 0)  # the model's own forward fails on it
+
+
+class _BranchOnBatch(_FixedBatch):
+    """A forward whose ops depend on the batch size: export records the range its graph holds for."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.conv(x)).flatten(1)
+        if x.shape[0] > 6:
+            hidden = 2 * hidden
+        return self.head(hidden)
+
+
+def test_batch_sizes_outside_the_captured_range_are_captured_again(counted):
+    torch.manual_seed(6)
+    model = randomize_(_BranchOnBatch(), seed=6).double().eval()
+    explainer = Explainer(model, backend="fused")
+    for size in (3, 5, 8, 6, 9):
+        x = torch.randn(size, 3, 6, 6, dtype=torch.float64)
+        _check(explainer(x, 4), Explainer(model, backend="reference")(x, 4))
+    assert counted["export"] == 2 + 5  # sizes 2..6 share one capture, sizes from 7 on another; 5 references
