@@ -206,7 +206,9 @@ class Explainer:
     Thread-safe: threads may share an ``Explainer``, and several ``Explainer`` objects
     may run at once; captures run one at a time. The model's own forward must not run in
     another thread while it is being captured, since ``torch.export`` replaces its
-    parameters by fake tensors meanwhile.
+    parameters by fake tensors meanwhile. Known defect: on the fused backend (``"auto"``
+    on the CPU), an explanation that runs while another thread captures a model can fail
+    with ``KeyError: 'custom'``; the reference backend is tested under concurrent captures.
 
     Args:
         model: any ``nn.Module`` whose forward maps one (B, C, H, W) tensor to (B, K) logits.
