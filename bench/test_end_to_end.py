@@ -3,9 +3,9 @@
     python -m pytest bench/test_end_to_end.py --benchmark-json bench/results/end_to_end_cpu.json
 
 CPU: float32, batch 8; GPU: bfloat16, batch 64; 224×224, randomly initialized timm
-models with frozen parameters. Capture (and, for ``omenn_compiled`` and
-``omenn_reference_compiled``, the compilation) happens outside the timed region; each timed call explains the
-predicted class. The peak memory of one call is recorded in ``extra_info``: on a GPU
+models with frozen parameters. Capture (and, for ``omenn_compiled``,
+``omenn_reference_compiled`` and ``input_x_gradient_compiled``, the compilation)
+happens outside the timed region; each timed call explains the predicted class. The peak memory of one call is recorded in ``extra_info``: on a GPU
 the allocator's peak, on the CPU the rise of the process's resident-set high-water
 mark over its resident set at the start of the call (freed heap memory is first
 returned to the system, so the start is not inflated by earlier calls).
@@ -28,8 +28,8 @@ from omenn_kernels.testing import randomize_
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE, BATCH = (torch.bfloat16, 64) if DEVICE == "cuda" else (torch.float32, 8)
 MODELS = ["vit_base_patch16_224", "resnet50", "convnext_base", "vgg16"]
-METHODS = ["forward", "input_x_gradient", "omenn_reference", "omenn_fused", "omenn_compiled",
-           "omenn_reference_compiled"]
+METHODS = ["forward", "input_x_gradient", "input_x_gradient_compiled", "omenn_reference", "omenn_fused",
+           "omenn_compiled", "omenn_reference_compiled"]
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -97,6 +97,10 @@ def test_end_to_end(benchmark, setup, method):
         call = lambda: _forward(model, x)  # noqa: E731
     elif method == "input_x_gradient":
         call = lambda: _input_x_gradient(model, x)  # noqa: E731
+    elif method == "input_x_gradient_compiled":
+        compiled = torch.compile(_input_x_gradient)
+        call = lambda: compiled(model, x)  # noqa: E731
+        warmup_rounds = 2  # compilation
     elif method == "omenn_reference_compiled":
         call = _compiled_reference(model, x)
         warmup_rounds = 3  # compilation and the recompilations of its graph-break frames
