@@ -5,10 +5,11 @@
 CPU: float32, batch 8; GPU: bfloat16, batch 64; 224×224, randomly initialized timm
 models with frozen parameters. Capture (and, for ``omenn_compiled``,
 ``omenn_reference_compiled`` and ``input_x_gradient_compiled``, the compilation)
-happens outside the timed region; each timed call explains the predicted class. The peak memory of one call is recorded in ``extra_info``: on a GPU
-the allocator's peak, on the CPU the rise of the process's resident-set high-water
-mark over its resident set at the start of the call (freed heap memory is first
-returned to the system, so the start is not inflated by earlier calls).
+happens outside the timed region; each timed call explains the predicted class. The
+peak memory of one call is recorded in ``extra_info``: on a GPU the allocator's peak,
+on the CPU the rise of the process's resident-set high-water mark over its resident
+set at the start of the call (freed heap memory is first returned to the system, so
+the start is not inflated by earlier calls).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omenn_kernels.linearize.rules import activation, attention, conv
+from omenn_kernels.ops import activation, attention, conv_bias
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -44,7 +44,7 @@ def test_activation_gelu(benchmark, variant):
     benchmark.group = f"activation gelu 8x197x3072 {DEVICE} {DTYPE}"
     x = torch.randn(8, 197, 3072, device=DEVICE, dtype=DTYPE, requires_grad=True)
     grad = torch.randn_like(x)
-    rule = {"fused": lambda t: activation.activation_op(t, "gelu", 0.0), "eager": _eager_gelu,
+    rule = {"fused": lambda t: activation.activation(t, "gelu", 0.0), "eager": _eager_gelu,
             "compiled": torch.compile(_eager_gelu)}[variant]
     _timed(benchmark, lambda: torch.autograd.grad(rule(x), x, grad))
 
@@ -73,7 +73,7 @@ def test_conv_bias_spreading(benchmark, variant):
         window_sum = F.conv2d(ones.detach(), ones.new_ones(1, 1, 3, 3), None, 1, 1).float()
 
         def rule():
-            value, _ = conv.conv2d_ones(x, ones, window_sum, weight, bias, [1, 1], [1, 1], [1, 1], 1)
+            value, _ = conv_bias.conv2d_ones(x, ones, window_sum, weight, bias, [1, 1], [1, 1], [1, 1], 1)
             return value
     else:
         composed = _eager_conv if variant == "eager" else torch.compile(_eager_conv)
@@ -94,7 +94,7 @@ def test_attention_backward(benchmark, variant, tokens):
     v = torch.randn(shape, device=DEVICE, dtype=DTYPE, requires_grad=True)
     grad = torch.randn(shape, device=DEVICE, dtype=DTYPE)
     if variant == "fused_dv_only":
-        _timed(benchmark, lambda: torch.autograd.grad(attention.attention_op(q, k, v, None, 0.125)[0], v, grad))
+        _timed(benchmark, lambda: torch.autograd.grad(attention.attention(q, k, v, None, 0.125)[0], v, grad))
     else:
         qg, kg = q.clone().requires_grad_(True), k.clone().requires_grad_(True)
         _timed(benchmark, lambda: torch.autograd.grad(F.scaled_dot_product_attention(qg, kg, v), [qg, kg, v], grad))

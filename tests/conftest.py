@@ -6,6 +6,8 @@
 * Image folders drawn from the parts data set, for the bulk-explanation and CLI tests.
 * The shared helper modules of this directory (``kernel_references``) are importable
   from the test files of every sub-directory.
+* Under pytest-xdist (``-n N``) each worker process gets its share of the cores, instead
+  of every worker starting as many threads as there are cores.
 """
 
 import os
@@ -17,6 +19,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, _CORES // _WORKERS))
 
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:

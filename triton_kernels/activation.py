@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 KINDS = {"gelu": 0, "gelu_tanh": 1, "silu": 2, "relu": 3, "leaky_relu": 4, "hardswish": 5}
 
@@ -114,7 +115,8 @@ def activation_forward(x: torch.Tensor, kind: str, slope: float = 0.0) -> torch.
     if n == 0:
         return y
     grid = (triton.cdiv(n, _BLOCK),)
-    _activation_fwd_kernel[grid](x, y, n, float(slope), KIND=kid, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
+    wrap_triton(_activation_fwd_kernel)[grid](x, y, n, float(slope), KIND=kid, BLOCK=_BLOCK,
+                                              num_warps=_NUM_WARPS)
     return y
 
 
@@ -135,7 +137,8 @@ def activation_backward(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: f
     if n == 0:
         return dx
     grid = (triton.cdiv(n, _BLOCK),)
-    _activation_bwd_kernel[grid](grad, x, dx, n, float(slope), KIND=kid, BLOCK=_BLOCK, num_warps=_NUM_WARPS)
+    wrap_triton(_activation_bwd_kernel)[grid](grad, x, dx, n, float(slope), KIND=kid, BLOCK=_BLOCK,
+                                              num_warps=_NUM_WARPS)
     return dx
 
 

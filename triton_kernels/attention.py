@@ -37,6 +37,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 __all__ = ["attention_forward", "attention_backward_dv"]
 
@@ -366,7 +367,7 @@ def attention_forward(
     BM, BN, BLOCK_D, BLOCK_DV, warps, stages = _fwd_config(Tq, Tk, D, DV, B * H, q.dtype, q.device)
     BM, BN = _blocks(BM, BN, block_m, block_n)
     grid = (triton.cdiv(Tq, BM), B * H)
-    _attn_fwd_kernel[grid](
+    wrap_triton(_attn_fwd_kernel)[grid](
         q, k, v, bias_t, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *sb, *out.stride(), *lse.stride(),
         H, Tq, Tk, D, DV,
@@ -426,7 +427,7 @@ def attention_backward_dv(
     BM, BN, BLOCK_D, BLOCK_DV, warps, stages = _bwd_config(Tq, Tk, D, DV, q.dtype)
     BM, BN = _blocks(BM, BN, block_m, block_n)
     grid = (triton.cdiv(Tk, BN), B * H)
-    _attn_bwd_dv_kernel[grid](
+    wrap_triton(_attn_bwd_dv_kernel)[grid](
         q, k, grad_out, bias_t, lse, dv,
         *q.stride(), *k.stride(), *grad_out.stride(), *sb, *lse.stride(), *dv.stride(),
         H, Tq, Tk, D, DV,

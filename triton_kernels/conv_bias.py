@@ -28,6 +28,7 @@ from typing import Sequence, Union
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 IntPair = Union[int, Sequence[int]]
 
@@ -212,7 +213,7 @@ def bias_share(grad: torch.Tensor, bias, grad_ones_out, S: torch.Tensor) -> torc
     n_pblocks = triton.cdiv(P, BLOCK_P)
     gof_arg = gof if gof is not None else S3
     grid = (B * n_pblocks,)
-    _bias_share_kernel[grid](
+    wrap_triton(_bias_share_kernel)[grid](
         grad, bias if has_bias else S3, gof_arg, S3, r,
         C, Wo, P, n_pblocks,
         *grad.stride(),
@@ -265,7 +266,7 @@ def spread_bias_share(share: torch.Tensor, input_size, kernel_size: IntPair, str
         return out
     n_qblocks = triton.cdiv(H * W, _BLOCK_Q)
     grid = (B * n_qblocks,)
-    _spread_kernel[grid](
+    wrap_triton(_spread_kernel)[grid](
         r, out,
         H, W, Ho, Wo, n_qblocks,
         *r.stride(),

@@ -102,8 +102,9 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                 env[node.name] = _as_gate(node.target(*plain(args), **plain(kwargs)),
                                           detached=parameter_gradient == "fixed_multipliers")
             else:
+                rule_kwargs = {**kwargs, "receiving": step.receiving} if step.rule.receiving else kwargs
                 try:
-                    env[node.name] = implementation(step.rule)(node.target, *args, **kwargs)
+                    env[node.name] = implementation(step.rule)(node.target, *args, **rule_kwargs)
                 except RuleError as error:
                     raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
                 if track_held and not _has_held(env[node.name]):

@@ -19,6 +19,7 @@ from enum import Enum
 import torch
 
 from ..capture import CapturedModel, module_path
+from .receiving import receiving_block
 from .registry import Rule, lookup, op_name, unsupported
 
 
@@ -36,6 +37,9 @@ class Step:
     kind: Kind
     rule: Rule | None
     module_path: str
+    # The block of the result's last-dim features that can receive a gradient (rules with
+    # ``Rule.receiving``; None: all).
+    receiving: tuple[int, int] | None = None
 
 
 @dataclass
@@ -158,6 +162,10 @@ def linearize(captured: CapturedModel) -> LinearizedProgram:
                                   "OMENN rule")
             live.add(node)
             steps.append(Step(node, Kind.LIVE, rule, path))
+    without_gradient = {step.node for step in steps if step.kind is not Kind.LIVE}
+    for step in steps:
+        if step.kind is Kind.LIVE and step.rule.receiving:
+            step.receiving = receiving_block(step.node, without_gradient)
     return LinearizedProgram(captured, steps)
 
 

@@ -54,6 +54,10 @@ class Rule:
             ``1/σ``, attention weights), so a total parameter gradient must follow them.
             False where it reads no held value or only piecewise-constant multipliers
             (ReLU's 0/1): a program without such rules and gates needs no held forward.
+        receiving: ``reference`` and ``fused`` take the keyword ``receiving``, the block
+            ``(start, stop)`` of the result's last-dim features that can receive a
+            gradient (None: all), which the graph walker decides once
+            (:mod:`~omenn_kernels.linearize.receiving`).
     """
 
     name: str
@@ -68,6 +72,7 @@ class Rule:
     live: bool = True
     shape_only: bool = False
     held_multipliers: bool = True
+    receiving: bool = False
 
 
 _RULES: dict[OpKey, Rule] = {}

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from omenn_kernels import Explainer, explain
-from omenn_kernels.linearize.rules import activation, attention, conv, linear, norm
+from omenn_kernels.linearize.rules import activation as activation_rules
+from omenn_kernels.linearize.rules import conv as conv_rules
+from omenn_kernels.ops import activation, attention, batch_norm_ones, conv_bias, linear_ones
 from omenn_kernels.testing import FAMILIES, randomize_
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -92,8 +94,8 @@ def test_fused_backend_runs_the_fused_ops(monkeypatch):
             return op(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(activation, "activation_op", counting("activation", activation.activation_op))
-    monkeypatch.setattr(conv, "conv2d_ones", counting("conv", conv.conv2d_ones))
+    monkeypatch.setattr(activation_rules, "activation", counting("activation", activation.activation))
+    monkeypatch.setattr(conv_rules, "conv2d_ones", counting("conv", conv_bias.conv2d_ones))
     model = randomize_(FAMILIES["cnn"].build()).eval()
     explain(model, torch.randn(2, 3, 32, 32), 0, backend="fused")
     # cnn: ReLU, SiLU, GELU; three convolutions, the second after a max pool (per-channel
@@ -115,7 +117,7 @@ def test_opcheck_activation(kind):
 
 def test_activation_op_gradient_is_the_detached_multiplier():
     x = torch.randn(3, 11, dtype=torch.float64, requires_grad=True)
-    y = activation.activation_op(x, "gelu", 0.0)
+    y = activation.activation(x, "gelu", 0.0)
     grad = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x, grad)
     phi = 0.5 * (1 + torch.erf(x.detach() / math.sqrt(2)))
@@ -129,7 +131,7 @@ def test_batch_norm_ones_equals_the_reference_rule(ones_channels):
     x = torch.randn(2, 5, 4, 3, dtype=torch.float64, requires_grad=True)
     ones = torch.ones(2, ones_channels, 4, 3, dtype=torch.float64, requires_grad=True)
     scale, shift = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
-    value = norm.batch_norm_ones(x, ones, scale, shift)
+    value = batch_norm_ones.batch_norm_ones(x, ones, scale, shift)
     expected = x * scale.view(1, -1, 1, 1) + shift.view(1, -1, 1, 1) * ones
     grad = torch.randn_like(value)
     got = torch.autograd.grad(value, [x, ones], grad)
@@ -140,15 +142,16 @@ def test_batch_norm_ones_equals_the_reference_rule(ones_channels):
     _opcheck(torch.ops.omenn.batch_norm_ones.default, (x, ones, scale, shift))
 
 
-@pytest.mark.parametrize("silent", [slice(0, 6), slice(3, 6)], ids=["one_block_receives", "two_blocks_receive"])
+@pytest.mark.parametrize("silent,receiving", [(slice(0, 6), (6, 9)), (slice(3, 6), (0, 9))],
+                         ids=["one_block_receives", "two_blocks_receive"])
 @pytest.mark.parametrize("ones_features", [1, 6])
-def test_linear_ones_equals_the_reference_rule_with_gate_only_features(ones_features, silent):
+def test_linear_ones_equals_the_reference_rule_with_gate_only_features(ones_features, silent, receiving):
     """Against R1 written with autograd, when two thirds of the outputs get no gradient
-    (the receiving features one block, or two)."""
+    (the receiving features one block, or two: then the whole product is taken)."""
     x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
     ones = torch.ones(2, 5, ones_features, dtype=torch.float64, requires_grad=True)
     weight, bias = torch.randn(9, 6, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
-    value, ones_bar = linear.linear_ones(x, ones, weight, bias)
+    value, ones_bar = linear_ones.linear_ones(x, ones, weight, bias, *receiving)
     expected_bar = ones.mean(-1, keepdim=True)
     expected = torch.nn.functional.linear(x, weight) + bias * expected_bar
     grad = torch.randn_like(value)
@@ -159,7 +162,7 @@ def test_linear_ones_equals_the_reference_rule_with_gate_only_features(ones_feat
     torch.testing.assert_close(value, expected, rtol=0, atol=0)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
-    _opcheck(torch.ops.omenn.linear_ones.default, (x, ones, weight, bias))
+    _opcheck(torch.ops.omenn.linear_ones.default, (x, ones, weight, bias, *receiving))
 
 
 def _conv_inputs(dtype=torch.float32, patchify: bool = False):
@@ -183,8 +186,8 @@ def test_conv2d_ones_gradients_equal_the_reference_rule(patchify):
     """Against R2 written with autograd: ``conv(x) + b·S/stopgrad(S)`` (patchifying
     convolutions take their own input-gradient path on the CPU)."""
     x, ones, window_sum, weight, bias, stride, padding, dilation, groups = _conv_inputs(torch.float64, patchify)
-    assert conv._cuts_patches(x, weight.shape, stride, padding, dilation, groups) == patchify
-    value, ones_out = conv.conv2d_ones(x, ones, window_sum, weight, bias, stride, padding, dilation, groups)
+    assert conv_bias.cuts_patches(x, weight.shape, stride, padding, dilation, groups) == patchify
+    value, ones_out = conv_bias.conv2d_ones(x, ones, window_sum, weight, bias, stride, padding, dilation, groups)
     grad, grad_ones = torch.randn_like(value), torch.randn_like(ones_out)
     dx, dones = torch.autograd.grad((value * grad).sum() + (ones_out * grad_ones).sum(), [x, ones])
     s = torch.nn.functional.conv2d(ones, ones.new_ones(1, 1, 3, 3), None, stride, padding, dilation)
@@ -211,7 +214,7 @@ def test_opcheck_attention(with_bias):
 
 def test_attention_op_gives_only_dv_equal_to_weights_transposed_times_grad():
     q, k, v, bias, scale = _attention_inputs(True)
-    out, lse = attention.attention_op(q, k, v, bias, scale)
+    out, lse = attention.attention(q, k, v, bias, scale)
     weights = torch.softmax(q @ k.transpose(-2, -1) * scale + bias, -1)
     torch.testing.assert_close(out, weights @ v, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, torch.logsumexp(q @ k.transpose(-2, -1) * scale + bias, -1))

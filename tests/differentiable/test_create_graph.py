@@ -33,7 +33,7 @@ from omenn_kernels import Explainer, explain
 from omenn_kernels.backends import executor
 from omenn_kernels.capture import eval_semantics
 from omenn_kernels.linearize import registry, values
-from omenn_kernels.linearize.rules import conv
+from omenn_kernels.ops import conv_bias
 from omenn_kernels.testing import randomize_
 from differentiable_models import DT, MODELS
 
@@ -145,8 +145,8 @@ def test_fused_backward_runs_once_per_explanation_and_parameter_path_only_for_lo
     """
     model, x = MODELS["relu_cnn"]()
     input_grads, parameter_paths = [], []
-    real_input_grad = conv.conv2d_input_grad
-    monkeypatch.setattr(conv, "conv2d_input_grad", lambda *a: input_grads.append(1) or real_input_grad(*a))
+    real_input_grad = conv_bias.conv2d_input_grad
+    monkeypatch.setattr(conv_bias, "conv2d_input_grad", lambda *a: input_grads.append(1) or real_input_grad(*a))
     real_backward = values._ParameterPath.backward
     monkeypatch.setattr(values._ParameterPath, "backward",
                         staticmethod(lambda ctx, grad: parameter_paths.append(1) or real_backward(ctx, grad)))

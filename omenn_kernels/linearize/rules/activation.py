@@ -1,11 +1,10 @@
 """R4: elementwise activations as ``f(0)·O + x·stopgrad(ξ(x))``.
 
-Fused op ``omenn::activation`` (GELU, tanh-GELU, SiLU, ReLU, LeakyReLU, Hardswish):
-forward ``x·ξ(x)``, backward ``dy·ξ(x)`` recomputed from the saved ``x`` — CPU runs
-``csrc/activation.cpp``, CUDA ``triton_kernels/activation.py``. The backward is linear
-in ``dy`` with ``ξ`` held, so it differentiates again as itself; where ``ξ`` must follow
-the parameters (a total parameter gradient through a smooth activation, which gives
-the rule a held value) the rule runs its reference math instead.
+Fused op ``omenn::activation`` (GELU, tanh-GELU, SiLU, ReLU, LeakyReLU, Hardswish;
+:mod:`omenn_kernels.ops.activation`): forward ``x·ξ(x)``, backward ``dy·ξ(x)``
+recomputed from the saved ``x``. Where ``ξ`` must follow the parameters (a total
+parameter gradient through a smooth activation, which gives the rule a held value) the
+rule runs its reference math instead.
 
 ``ξ(x) = (f(x) − f(0))/x`` with ``ξ(0) = f'(0)``. Closed forms are used where they
 exist (GELU: Φ(x), SiLU: σ(x), ReLU: 1[x>0], Hardswish: relu6(x+3)/6); every other
@@ -20,8 +19,9 @@ from typing import Callable
 
 import torch
 
+from ...ops import kernels_available
+from ...ops.activation import PIECEWISE_CONSTANT, activation, fused_kind
 from ..registry import Rule, arguments, register
-from ..fused import kernels_available
 from ..values import Live, plain
 
 aten = torch.ops.aten
@@ -81,96 +81,15 @@ def _activation(op, *args, **kwargs):
     return Live(value, x.ones)
 
 
-def _fused_kind(op, rest: list) -> tuple[str, float] | None:
-    """The fused kernel's name of activation ``op`` and its slope, or None if it has none."""
-    if op is aten.gelu.default:
-        return ("gelu_tanh" if rest and rest[0] == "tanh" else "gelu"), 0.0
-    if op is aten.leaky_relu.default:
-        return "leaky_relu", float(rest[0]) if rest else 0.01
-    kind = {aten.relu.default: "relu", aten.silu.default: "silu",
-            aten.hardswish.default: "hardswish"}.get(op)
-    return (kind, 0.0) if kind else None
-
-
-@torch.library.custom_op("omenn::activation", mutates_args=())
-def activation_op(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
-    """``x·ξ(x)`` for a fused activation ``kind`` (CPU: the C++ kernel)."""
-    from ...native import cpu_kernels
-
-    return cpu_kernels().activation_forward(x, kind, slope)
-
-
-@activation_op.register_kernel("cuda")
-def _activation_cuda(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
-    from triton_kernels import activation_forward
-
-    return activation_forward(x, kind, slope)
-
-
-@activation_op.register_fake
-def _activation_fake(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("omenn::activation_backward", mutates_args=())
-def activation_backward_op(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
-    """``grad·ξ(x)``, ``ξ`` recomputed from ``x`` (CPU: the C++ kernel)."""
-    from ...native import cpu_kernels
-
-    return cpu_kernels().activation_backward(grad, x, kind, slope)
-
-
-@activation_backward_op.register_kernel("cuda")
-def _activation_backward_cuda(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
-    from triton_kernels import activation_backward
-
-    return activation_backward(grad, x, kind, slope)
-
-
-@activation_backward_op.register_fake
-def _activation_backward_fake(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-def _activation_setup(ctx, inputs, output) -> None:
-    x, ctx.kind, ctx.slope = inputs
-    ctx.save_for_backward(x)
-
-
-def _activation_grad(ctx, grad):
-    (x,) = ctx.saved_tensors
-    # ξ is held: detached, a differentiated backward has no edge to the forward.
-    return activation_backward_op(grad, x.detach(), ctx.kind, ctx.slope), None, None
-
-
-activation_op.register_autograd(_activation_grad, setup_context=_activation_setup)
-
-
-def _activation_backward_setup(ctx, inputs, output) -> None:
-    _grad, x, ctx.kind, ctx.slope = inputs
-    ctx.save_for_backward(x)
-
-
-def _activation_backward_grad(ctx, grad_grad):
-    """``dy·ξ(x)`` with ``ξ`` held: its derivative with respect to ``dy`` is ``ξ(x)`` again."""
-    (x,) = ctx.saved_tensors
-    return activation_backward_op(grad_grad, x, ctx.kind, ctx.slope), None, None, None
-
-
-activation_backward_op.register_autograd(_activation_backward_grad, setup_context=_activation_backward_setup)
-
-_PIECEWISE_CONSTANT = ("relu", "leaky_relu")
-
-
 def _fused_activation(op, *args, value_gradient: bool = False, **kwargs):
     """R4 through ``omenn::activation`` where a kernel exists; the reference math otherwise,
     and where a smooth ``ξ`` must follow the parameters through the held value."""
     x, *rest = arguments(op, args, kwargs)
-    kind = _fused_kind(op, rest)
+    kind = fused_kind(op, rest)
     if kind is None or not kernels_available(x.value) or (
-            x.held is not None and kind[0] not in _PIECEWISE_CONSTANT):
+            x.held is not None and kind[0] not in PIECEWISE_CONSTANT):
         return _activation(op, *args, **kwargs)
-    return Live(activation_op(x.value, *kind), x.ones)
+    return Live(activation(x.value, *kind), x.ones)
 
 
 # Piecewise-constant multipliers (0/1, or 1/slope): their derivative is zero, so they do not

@@ -8,10 +8,9 @@ ones of ``V`` (token identity, the paper's ``W̃_aug ⊗ I``).
 R6': when the queries are not the value tokens (another token count) the ones of
 ``Y`` are the attention-weighted mean of the value tokens' ones, renormalized.
 
-Fused op ``omenn::attention`` (R6 on CUDA, ``triton_kernels/attention.py``): the
+Fused op ``omenn::attention`` (R6 on CUDA; :mod:`omenn_kernels.ops.attention`): the
 forward is flash attention saving the log-sum-exp; the backward computes only
-``dV = Pᵀ·dO`` — no dQ, no dK, no Δ pre-pass. On the CPU the op runs the same math
-in PyTorch, and the rule keeps its reference form there, which saves ``A`` instead
+``dV = Pᵀ·dO``. On the CPU the rule keeps its reference form, which saves ``A`` instead
 of recomputing it.
 
 With held values that follow the parameters (a total parameter gradient, where an
@@ -28,7 +27,8 @@ from typing import Optional
 
 import torch
 
-from ..fused import kernels_available
+from ...ops import kernels_available
+from ...ops.attention import attention
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Gate, Live, ones_from_values, plain, renormalized
 
@@ -285,68 +285,6 @@ def _sdpa(op, *args, **kwargs):
     return attended(weights, value, queries_are_tokens=queries_are_tokens, softmax_rows=True)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    scores = torch.matmul(q.float(), k.float().transpose(-2, -1)) * scale
-    return scores if bias is None else scores + bias.float()
-
-
-@torch.library.custom_op("omenn::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(softmax(QKᵀ·scale + bias)·V, logsumexp)`` with the weights held constant (R6)."""
-    scores = _scores(q, k, bias, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return torch.matmul(weights.to(v.dtype), v), lse
-
-
-@attention_op.register_kernel("cuda")
-def _attention_cuda(q, k, v, bias, scale):
-    from triton_kernels import attention_forward
-
-    return attention_forward(q, k, v, scale, bias)
-
-
-@attention_op.register_fake
-def _attention_fake(q, k, v, bias, scale):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op("omenn::attention_backward_dv", mutates_args=())
-def attention_backward_dv_op(q: torch.Tensor, k: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor,
-                             bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    """``dV = Pᵀ·grad`` with ``P = exp(QKᵀ·scale + bias − lse)`` recomputed."""
-    weights = torch.exp(_scores(q, k, bias, scale) - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return torch.matmul(weights.transpose(-2, -1), grad.float()).to(grad.dtype)
-
-
-@attention_backward_dv_op.register_kernel("cuda")
-def _attention_backward_dv_cuda(q, k, grad, lse, bias, scale):
-    from triton_kernels import attention_backward_dv
-
-    return attention_backward_dv(q, k, grad, lse, scale, bias)
-
-
-@attention_backward_dv_op.register_fake
-def _attention_backward_dv_fake(q, k, grad, lse, bias, scale):
-    return grad.new_empty(*k.shape[:-1], grad.shape[-1])
-
-
-def _attention_setup(ctx, inputs, output) -> None:
-    q, k, _v, bias, ctx.scale = inputs
-    ctx.has_bias = bias is not None
-    ctx.save_for_backward(q, k, output[1], *([bias] if bias is not None else []))
-
-
-def _attention_grad(ctx, grad, _grad_lse):
-    q, k, lse, *bias = ctx.saved_tensors
-    dv = attention_backward_dv_op(q, k, grad.contiguous(), lse, bias[0] if bias else None, ctx.scale)
-    return None, None, dv, None, None
-
-
-attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
-
-
 def _additive_mask(mask, is_causal: bool, tq: int, tk: int, like: torch.Tensor) -> Optional[torch.Tensor]:
     """SDPA's boolean / float mask and causal flag as one additive float bias (or None)."""
     bias = None
@@ -379,7 +317,7 @@ def _fused_sdpa(op, *args, **kwargs):
         ones = ones if ones.shape[-3] == 1 else ones.repeat_interleave(repeat, dim=-3)
     bias = _additive_mask(plain(mask), is_causal, q.shape[-2], k.shape[-2], q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, _ = attention_op(q, k, v, bias, scale)
+    out, _ = attention(q, k, v, bias, scale)
     return Live(out, ones)
 
 

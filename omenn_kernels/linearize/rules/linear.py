@@ -3,14 +3,13 @@
 ``y = xW + b·Ō`` with ``Ō`` the mean of the ones over the contracted dimension.
 A product of a gate with LIVE tokens (``A·V`` written out) is attention: R6.
 
-Fused op ``omenn::linear_ones``: the value rounded as the reference rounds it, and a
-backward that multiplies only the output features that receive a gradient. Features
-that only feed gates (the query and key thirds of a fused ``qkv`` projection) get
-none, so ``dX = dY·W`` shrinks to the value third — two of the three products a
-gradient computes there. ``omenn::linear_input_grad`` differentiates again over the same
-features, so explanations differentiable with respect to the parameters run it too; with
-a held forward (the total parameter gradient) the value's numbers are the model's own
-output on the held values, and only that backward is the rule's (``_LinearOfHeld``).
+Fused op ``omenn::linear_ones`` (:mod:`omenn_kernels.ops.linear_ones`): the value
+rounded as the reference rounds it, and a backward that multiplies only the output
+features that receive a gradient. Features that only feed gates (the query and key
+thirds of a fused ``qkv`` projection) get none, for any input: the graph walker finds
+them once (``Rule.receiving``). With a held forward (the total parameter gradient) the
+value's numbers are the model's own output on the held values, and only that backward
+is the rule's (``_LinearOfHeld``).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ...ops.linear_ones import linear_input_grad, linear_ones
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Gate, Live, require_reached, with_parameter_gradient
 from .attention import attended
@@ -28,8 +28,8 @@ _TWO_LIVE = RuleError("both operands of the matrix product depend on the input a
                       "gate (softmax/sigmoid weights)", "R9 (a product of two LIVE tensors is unsupported)")
 
 
-def _linear(op, *args, **kwargs):
-    """R1 for ``F.linear``: ``xWᵀ + b·Ō``."""
+def _linear(op, *args, receiving: tuple[int, int] | None = None, **kwargs):
+    """R1 for ``F.linear``: ``xWᵀ + b·Ō`` (autograd finds the receiving features itself)."""
     x, weight, bias = arguments(op, args, kwargs)
     if not isinstance(x, Live) or isinstance(weight, (Live, Gate)) or isinstance(bias, (Live, Gate)):
         raise RuleError("the weight or bias of a linear layer depends on the input",
@@ -40,95 +40,6 @@ def _linear(op, *args, **kwargs):
         require_reached(ones)
         value = value + bias * ones
     return Live(value, ones)
-
-
-@torch.library.custom_op("omenn::linear_ones", mutates_args=())
-def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """R1 ``(xWᵀ + b·Ō, Ō)`` with ``Ō`` the mean of ``ones`` over the last dim (1 wherever used)."""
-    ones_bar = ones.mean(-1, keepdim=True)
-    return F.linear(x, weight) + bias * ones_bar, ones_bar
-
-
-@linear_ones.register_fake
-def _linear_ones_fake(x, ones, weight, bias):
-    value = x.new_empty(*x.shape[:-1], weight.shape[0])
-    return value, ones.new_empty(*ones.shape[:-1], 1)
-
-
-def _linear_ones_setup(ctx, inputs, output) -> None:
-    _x, ones, weight, bias = inputs
-    ctx.ones_shape = ones.shape
-    ctx.save_for_backward(weight, bias)
-
-
-def _receiving_block(grad: torch.Tensor) -> slice | torch.Tensor | None:
-    """The output features that receive a gradient: None (all), a slice (one block, such as
-    the value third of qkv) or a boolean mask."""
-    rows = grad.flatten(0, -2)
-    if rows.shape[0] and bool((rows[0] != 0).all()):  # every feature receives: one row shows it
-        return None
-    receiving = rows.abs().amax(0) > 0
-    if bool(receiving.all()):
-        return None
-    features = receiving.nonzero().flatten()
-    count = len(features)
-    if count and int(features[-1] - features[0]) + 1 == count:
-        return slice(int(features[0]), int(features[0]) + count)
-    return receiving
-
-
-@torch.library.custom_op("omenn::linear_input_grad", mutates_args=())
-def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``grad·W`` over the output features that receive a gradient (the others add 0)."""
-    block = _receiving_block(grad)
-    if block is None:
-        return grad.matmul(weight)
-    if isinstance(block, slice):  # views, where indexing would copy the gradient
-        return grad.narrow(-1, block.start, block.stop - block.start).matmul(
-            weight.narrow(0, block.start, block.stop - block.start))
-    return grad[..., block].matmul(weight[block])
-
-
-@linear_input_grad.register_fake
-def _linear_input_grad_fake(grad, weight):
-    return grad.new_empty(*grad.shape[:-1], weight.shape[1])
-
-
-def _linear_input_grad_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def _linear_input_grad_grad(ctx, grad_input):
-    """``g·W`` is linear in ``g`` and ``W``: ``dg = dX·Wᵀ`` (every feature: a gradient that is 0
-    may still change with the parameters) and ``dW = gᵀ·dX``, whose rows are 0 where ``g`` is."""
-    grad, weight = ctx.saved_tensors
-    grad_grad = grad_input.matmul(weight.transpose(0, 1)) if ctx.needs_input_grad[0] else None
-    grad_weight = None
-    if ctx.needs_input_grad[1]:
-        block = _receiving_block(grad)
-        rows = slice(None) if block is None else block
-        product = grad[..., rows].flatten(0, -2).transpose(0, 1).matmul(grad_input.flatten(0, -2))
-        if block is None:
-            grad_weight = product
-        else:
-            grad_weight = torch.zeros_like(weight)
-            grad_weight[rows] = product
-    return grad_grad, grad_weight
-
-
-linear_input_grad.register_autograd(_linear_input_grad_grad, setup_context=_linear_input_grad_setup)
-
-
-def _linear_ones_grad(ctx, grad, grad_ones_bar):
-    weight, bias = ctx.saved_tensors
-    grad_x = linear_input_grad(grad, weight)
-    grad_bar = grad.matmul(bias).unsqueeze(-1) + grad_ones_bar.sum_to_size(*grad.shape[:-1], 1)
-    grad_ones = (grad_bar / ctx.ones_shape[-1]).expand(*grad_bar.shape[:-1], ctx.ones_shape[-1])
-    return grad_x, grad_ones.sum_to_size(ctx.ones_shape), None, None
-
-
-linear_ones.register_autograd(_linear_ones_grad, setup_context=_linear_ones_setup)
 
 
 def _linear_parameter_gradients(x: torch.Tensor, ones_bar: torch.Tensor):
@@ -150,32 +61,35 @@ class _LinearOfHeld(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, ones_bar: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                held_output: torch.Tensor) -> torch.Tensor:
+                held_output: torch.Tensor, receiving: tuple[int, int]) -> torch.Tensor:
         ctx.save_for_backward(weight, bias)
-        ctx.ones_shape = ones_bar.shape
+        ctx.ones_shape, ctx.receiving = ones_bar.shape, receiving
         return held_output.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         weight, bias = ctx.saved_tensors
         grad_ones_bar = grad.matmul(bias.to(grad.dtype)).unsqueeze(-1).sum_to_size(ctx.ones_shape)
-        return linear_input_grad(grad, weight), grad_ones_bar, None, None, None
+        return linear_input_grad(grad, weight, *ctx.receiving), grad_ones_bar, None, None, None, None
 
 
-def _fused_linear(op, *args, value_gradient: bool = False, **kwargs):
+def _fused_linear(op, *args, receiving: tuple[int, int] | None = None, value_gradient: bool = False,
+                  **kwargs):
     """R1 through ``omenn::linear_ones`` when the linear has a bias; from the held output
-    where there is one (:class:`_LinearOfHeld`)."""
+    where there is one (:class:`_LinearOfHeld`). The backward multiplies only the
+    ``receiving`` block of output features (see :class:`~omenn_kernels.linearize.registry.Rule`)."""
     x, weight, bias = arguments(op, args, kwargs)
     if bias is None or not isinstance(x, Live) or isinstance(weight, (Live, Gate)) \
             or isinstance(bias, (Live, Gate)):
         return _linear(op, *args, **kwargs)
+    block = receiving if receiving is not None else (0, weight.shape[0])
     require_reached(x.ones.mean(-1, keepdim=True))
     if x.held is not None:
         held = F.linear(x.held, weight, bias)
         ones_bar = x.ones.mean(-1, keepdim=True)
-        return Live(_LinearOfHeld.apply(x.value, ones_bar, weight, bias, held), ones_bar, held)
+        return Live(_LinearOfHeld.apply(x.value, ones_bar, weight, bias, held, block), ones_bar, held)
     ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
-    value, ones_bar = linear_ones(x.value, ones, weight, bias)
+    value, ones_bar = linear_ones(x.value, ones, weight, bias, *block)
     if value_gradient:  # the weight's and bias's gradient on a node of its own (Rule.fused_differentiable)
         value = with_parameter_gradient(value, (weight, bias),
                                         _linear_parameter_gradients(x.value.detach(), ones_bar.detach()))
@@ -225,7 +139,7 @@ def _addmm(op, *args, **kwargs):
 
 
 register([aten.linear], Rule("R1 linear", _linear, _fused_linear, fused_differentiable=True,
-                             held_multipliers=False))
+                             held_multipliers=False, receiving=True))
 register([aten.matmul, aten.mm, aten.bmm],
          Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1), held_multipliers=False))
 register([aten.addmm], Rule("R1 linear", _addmm, held_multipliers=False))

@@ -6,34 +6,28 @@ R3' (LayerNorm, GroupNorm, RMSNorm): centring stays linear, ``1/σ`` (or 1/rms) 
 detached multiplier, ``γ`` scales and ``β`` is carried by ``Ō``, the mean of the ones
 over the normalized dimensions.
 
-Fused op ``omenn::batch_norm_ones`` (R3): the value ``x·s + b'`` without multiplying by
-the ones (they are 1 wherever a shift is added, ``require_reached``), and a backward of
-``dy·s`` for the input and ``Σ_c dy·b'`` for the ones, instead of the reference's
-broadcast products and their gradients. Its backward is made of differentiable
-products with ``s`` and ``b'``, so explanations differentiable with respect to the
-parameters run it too.
+Fused op ``omenn::batch_norm_ones`` (R3; :mod:`omenn_kernels.ops.batch_norm_ones`): the
+value ``x·s + b'`` without multiplying by the ones (they are 1 wherever a shift is
+added, ``require_reached``), and a backward of ``dy·s`` for the input and ``Σ_c dy·b'``
+for the ones.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...ops.batch_norm_ones import batch_norm_ones, channel_view
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Live, full_ones, plain, require_reached, with_parameter_gradient
 
 aten = torch.ops.aten
 
 
-def _channel_view(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A per-channel (dim 1) parameter shaped to broadcast against ``like``."""
-    return param.view(1, -1, *([1] * (like.dim() - 2)))
-
-
 def batch_norm_affine(x: Live, weight, bias, running_mean, running_var, eps: float) -> Live:
     """R3: eval-mode BatchNorm as the per-channel affine map ``x·s + b'·O``."""
     scale, shift = _affine_of(weight, bias, running_mean, running_var, eps)
     require_reached(x.ones)
-    value = x.value * _channel_view(scale, x.value) + _channel_view(shift, x.value) * x.ones
+    value = x.value * channel_view(scale, x.value) + channel_view(shift, x.value) * x.ones
     return Live(value, x.ones)
 
 
@@ -43,85 +37,6 @@ def _affine_of(weight, bias, running_mean, running_var, eps: float) -> tuple[tor
         scale = scale * weight
     shift = -running_mean * scale
     return scale, shift if bias is None else shift + bias
-
-
-@torch.library.custom_op("omenn::batch_norm_ones", mutates_args=())
-def batch_norm_ones(x: torch.Tensor, ones: torch.Tensor, scale: torch.Tensor,
-                    shift: torch.Tensor) -> torch.Tensor:
-    """R3's value ``x·s + b'`` (the ones are 1 wherever they are used).
-
-    Rounded as the reference rounds it (no fused multiply-add): a last-bit difference
-    can flip a later ReLU whose input is within rounding of 0.
-    """
-    return x * _channel_view(scale, x) + _channel_view(shift, x)
-
-
-@batch_norm_ones.register_fake
-def _batch_norm_ones_fake(x, ones, scale, shift):
-    return torch.empty_like(x)
-
-
-def _batch_norm_ones_setup(ctx, inputs, output) -> None:
-    _x, ones, scale, shift = inputs
-    ctx.ones_shape = ones.shape
-    ctx.save_for_backward(scale, shift)
-
-
-@torch.library.custom_op("omenn::batch_norm_ones_backward", mutates_args=())
-def batch_norm_ones_backward(grad: torch.Tensor, scale: torch.Tensor,
-                             shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """R3's backward with ones shared per pixel: ``dy·s`` and ``Σ_c dy·b'`` (N, 1, H, W)."""
-    grad_x = grad * _channel_view(scale, grad)
-    # Σ_c dy·b' per pixel as one batched vector-matrix product (~9× faster than a 1×1
-    # convolution to a single channel on CPU).
-    per_pixel = torch.matmul(shift.to(grad.dtype), grad.flatten(2))
-    return grad_x, per_pixel.view(grad.shape[0], 1, *grad.shape[2:])
-
-
-@batch_norm_ones_backward.register_fake
-def _batch_norm_ones_backward_fake(grad, scale, shift):
-    return torch.empty_like(grad), grad.new_empty(grad.shape[0], 1, *grad.shape[2:])
-
-
-def _batch_norm_ones_backward_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)
-
-
-def _batch_norm_ones_backward_grad(ctx, grad_grad_x, grad_grad_ones):
-    """Linear in ``dy``, ``s`` and ``b'``: ``d(dy) = ddx·s + b'·ddo`` in one product-sum (and
-    in the input's memory layout, where autograd's outer product of ``b'`` would be
-    channels-last), ``ds = Σ ddx·dy`` and ``db' = Σ dy·ddo``."""
-    grad, scale, shift = ctx.saved_tensors
-    grad_grad = grad_scale = grad_shift = None
-    if ctx.needs_input_grad[0]:
-        grad_grad = torch.addcmul(grad_grad_x * _channel_view(scale, grad),
-                                  _channel_view(shift, grad).to(grad.dtype), grad_grad_ones)
-    if ctx.needs_input_grad[1]:
-        grad_scale = (grad_grad_x * grad).sum((0, 2, 3)).to(scale.dtype)
-    if ctx.needs_input_grad[2]:
-        per_channel = torch.matmul(grad.flatten(2), grad_grad_ones.flatten(1).unsqueeze(-1))
-        grad_shift = per_channel.sum((0, 2)).to(shift.dtype)
-    return grad_grad, grad_scale, grad_shift
-
-
-batch_norm_ones_backward.register_autograd(_batch_norm_ones_backward_grad,
-                                           setup_context=_batch_norm_ones_backward_setup)
-
-
-def _batch_norm_ones_grad(ctx, grad):
-    scale, shift = ctx.saved_tensors
-    if len(ctx.ones_shape) == 4 and ctx.ones_shape[1] == 1:  # ones shared by the channels
-        grad_x, grad_ones = batch_norm_ones_backward(grad, scale, shift)
-        return grad_x, grad_ones.sum_to_size(ctx.ones_shape), None, None
-    grad_x = grad * _channel_view(scale, grad)
-    if len(ctx.ones_shape) > 1 and ctx.ones_shape[1] == 1:
-        grad_ones = (grad * _channel_view(shift, grad)).sum(1, keepdim=True)
-    else:
-        grad_ones = grad * _channel_view(shift, grad)
-    return grad_x, grad_ones.sum_to_size(ctx.ones_shape), None, None
-
-
-batch_norm_ones.register_autograd(_batch_norm_ones_grad, setup_context=_batch_norm_ones_setup)
 
 
 def _affine_gradients(x: torch.Tensor):
@@ -200,9 +115,9 @@ def _grouped(x: Live, groups: int, weight, bias, eps: float) -> Live:
     value = out.value.reshape(x.value.shape)
     ones = out.ones.expand(out.value.shape).reshape(x.value.shape)
     if weight is not None:
-        value = value * _channel_view(weight, value)
+        value = value * channel_view(weight, value)
     if bias is not None:
-        value = value + _channel_view(bias, value) * ones
+        value = value + channel_view(bias, value) * ones
     return Live(value, ones)
 
 

@@ -1,0 +1,49 @@
+"""The fused ops of the hot rules: one module per op, each with everything the op is.
+
+Each module holds the op's ``torch.library`` registration, its fake (shape) function,
+its autograd, its reference math and the entry points of its kernels:
+
+======================  ===========================  ===============================  ==============================
+module                  op (``torch.ops.omenn``)     CPU                              CUDA
+======================  ===========================  ===============================  ==============================
+``activation``          ``activation`` (R4)          ``csrc/activation.cpp``          ``triton_kernels/activation.py``
+``conv_bias``           ``conv2d_ones`` (R2)         ``csrc/conv_bias.cpp``           ``triton_kernels/conv_bias.py``
+``attention``           ``attention`` (R6)           the reference math               ``triton_kernels/attention.py``
+``linear_ones``         ``linear_ones`` (R1)         aten products                    aten products
+``batch_norm_ones``     ``batch_norm_ones`` (R3)     aten products                    aten products
+======================  ===========================  ===============================  ==============================
+
+Ops with a Triton kernel are ``torch.library.triton_op``: under ``torch.compile`` Inductor
+sees the Triton kernel itself (and CUDA graphs can capture it); on the CPU the same op
+calls the C++ kernel through an opaque custom op of its own. The rules
+(:mod:`omenn_kernels.linearize.rules`) decide where an op applies; this package only
+says what it computes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import warnings
+
+import torch
+
+
+@functools.cache
+def _triton_available() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        warnings.warn("omenn_kernels: triton is not installed; the fused backend runs the "
+                      "reference math on CUDA", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def kernels_available(tensor: torch.Tensor) -> bool:
+    """Whether a fused kernel exists for ``tensor``'s device (CPU: C++, CUDA: Triton)."""
+    if tensor.device.type == "cpu":
+        from ..native import available
+
+        return available()
+    if tensor.device.type == "cuda":
+        return _triton_available()
+    return False

@@ -1,0 +1,120 @@
+"""Fused op ``omenn::activation``: R4's ``x·ξ(x)`` with ``ξ`` held, and its backward.
+
+Forward ``x·ξ(x)``; backward ``dy·ξ(x)`` with ``ξ`` recomputed from the saved ``x``
+(nothing else is saved). The backward is linear in ``dy`` with ``ξ`` held, so it
+differentiates again as itself.
+
+Cost: forward one read of ``x`` and one write; backward one read of ``dy`` and ``x`` and
+one write. Elementwise ``ξ`` is cheap next to the memory traffic, so the kernels save
+the reference's separate ``ξ`` tensor and product.
+
+Kernels: CPU ``csrc/activation.cpp`` (through ``omenn::activation_cpu``), CUDA
+``triton_kernels/activation.py``. Reference: :func:`reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import triton_op
+
+aten = torch.ops.aten
+
+# The activations with a kernel, by the kernels' names for them (csrc/activation.cpp and
+# triton_kernels.activation.KINDS use the same).
+_KINDS = {aten.relu.default: "relu", aten.silu.default: "silu", aten.hardswish.default: "hardswish"}
+# Multipliers that are piecewise constant (0/1, or 1/slope): they do not change with the parameters.
+PIECEWISE_CONSTANT = ("relu", "leaky_relu")
+
+
+def fused_kind(op, rest: list) -> tuple[str, float] | None:
+    """The kernels' name of activation ``op`` (with its extra arguments) and its slope, or None."""
+    if op is aten.gelu.default:
+        return ("gelu_tanh" if rest and rest[0] == "tanh" else "gelu"), 0.0
+    if op is aten.leaky_relu.default:
+        return "leaky_relu", float(rest[0]) if rest else 0.01
+    kind = _KINDS.get(op)
+    return (kind, 0.0) if kind else None
+
+
+def reference(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    """``x·ξ(x)`` by the rule's reference math, ``ξ`` held."""
+    from ..linearize.rules.activation import multiplier
+
+    op, rest = {"gelu": (aten.gelu.default, ()), "gelu_tanh": (aten.gelu.default, ("tanh",)),
+                "silu": (aten.silu.default, ()), "relu": (aten.relu.default, ()),
+                "hardswish": (aten.hardswish.default, ()),
+                "leaky_relu": (aten.leaky_relu.default, (slope,))}[kind]
+    xi, _offset = multiplier(op, x.detach(), *rest)
+    return x * xi
+
+
+@torch.library.custom_op("omenn::activation_cpu", mutates_args=())
+def _activation_cpu(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    from ..native import cpu_kernels
+
+    return cpu_kernels().activation_forward(x, kind, slope)
+
+
+@_activation_cpu.register_fake
+def _(x, kind, slope):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("omenn::activation_backward_cpu", mutates_args=())
+def _activation_backward_cpu(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    from ..native import cpu_kernels
+
+    return cpu_kernels().activation_backward(grad, x, kind, slope)
+
+
+@_activation_backward_cpu.register_fake
+def _(grad, x, kind, slope):
+    return torch.empty_like(x)
+
+
+@triton_op("omenn::activation", mutates_args=())
+def activation(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    """``x·ξ(x)`` for the activation ``kind`` (see :func:`fused_kind`), ``ξ`` held."""
+    if x.device.type == "cuda":
+        from triton_kernels.activation import activation_forward
+
+        return activation_forward(x, kind, slope)
+    return _activation_cpu(x, kind, slope)
+
+
+@triton_op("omenn::activation_backward", mutates_args=())
+def activation_backward(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    """``grad·ξ(x)``, ``ξ`` recomputed from ``x``."""
+    if x.device.type == "cuda":
+        from triton_kernels.activation import activation_backward as kernel
+
+        return kernel(grad, x, kind, slope)
+    return _activation_backward_cpu(grad, x, kind, slope)
+
+
+def _activation_setup(ctx, inputs, output) -> None:
+    x, ctx.kind, ctx.slope = inputs
+    ctx.save_for_backward(x)
+
+
+def _activation_grad(ctx, grad):
+    (x,) = ctx.saved_tensors
+    # ξ is held: detached, a differentiated backward has no edge to the forward.
+    return activation_backward(grad, x.detach(), ctx.kind, ctx.slope), None, None
+
+
+activation.register_autograd(_activation_grad, setup_context=_activation_setup)
+
+
+def _activation_backward_setup(ctx, inputs, output) -> None:
+    _grad, x, ctx.kind, ctx.slope = inputs
+    ctx.save_for_backward(x)
+
+
+def _activation_backward_grad(ctx, grad_grad):
+    """``dy·ξ(x)`` with ``ξ`` held: its derivative with respect to ``dy`` is ``ξ(x)`` again."""
+    (x,) = ctx.saved_tensors
+    return activation_backward(grad_grad, x, ctx.kind, ctx.slope), None, None, None
+
+
+activation_backward.register_autograd(_activation_backward_grad, setup_context=_activation_backward_setup)

@@ -1,0 +1,91 @@
+"""Fused op ``omenn::linear_ones``: R1's ``xWᵀ + b·Ō`` with a backward over the receiving features.
+
+``Ō`` is the mean of the ones over the contracted (last) dimension. The backward
+multiplies only the output features ``start:stop`` that can receive a gradient (decided
+by the graph walker, :mod:`omenn_kernels.linearize.receiving`): for a fused ``qkv``
+projection whose query and key thirds feed only the attention weights, ``dX = dY·W``
+shrinks to the value third, one of the three products a gradient computes there.
+``omenn::linear_input_grad`` (that product) differentiates again over the same
+features, so explanations differentiable with respect to the parameters run it too.
+
+Kernels: aten's matrix products on every device. Reference: the rule's ``_linear``
+(:mod:`omenn_kernels.linearize.rules.linear`), ``F.linear`` with autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.library.custom_op("omenn::linear_ones", mutates_args=())
+def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """R1 ``(xWᵀ + b·Ō, Ō)`` with ``Ō`` the mean of ``ones`` over the last dim (1 wherever used).
+
+    Only output features ``start:stop`` receive a gradient (the others feed only gates).
+    """
+    ones_bar = ones.mean(-1, keepdim=True)
+    return F.linear(x, weight) + bias * ones_bar, ones_bar
+
+
+@linear_ones.register_fake
+def _linear_ones_fake(x, ones, weight, bias, start, stop):
+    value = x.new_empty(*x.shape[:-1], weight.shape[0])
+    return value, ones.new_empty(*ones.shape[:-1], 1)
+
+
+def _linear_ones_setup(ctx, inputs, output) -> None:
+    _x, ones, weight, bias, ctx.start, ctx.stop = inputs
+    ctx.ones_shape = ones.shape
+    ctx.save_for_backward(weight, bias)
+
+
+@torch.library.custom_op("omenn::linear_input_grad", mutates_args=())
+def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``grad·W`` over the output features ``start:stop``, the only ones that receive a gradient."""
+    if start == 0 and stop == weight.shape[0]:
+        return grad.matmul(weight)
+    # Views, where indexing would copy the gradient.
+    return grad.narrow(-1, start, stop - start).matmul(weight.narrow(0, start, stop - start))
+
+
+@linear_input_grad.register_fake
+def _linear_input_grad_fake(grad, weight, start, stop):
+    return grad.new_empty(*grad.shape[:-1], weight.shape[1])
+
+
+def _linear_input_grad_setup(ctx, inputs, output) -> None:
+    grad, weight, ctx.start, ctx.stop = inputs
+    ctx.save_for_backward(grad, weight)
+
+
+def _linear_input_grad_grad(ctx, grad_input):
+    """``g·W`` is linear in ``g`` and ``W``: ``dg = dX·Wᵀ`` (every feature: a gradient that is 0
+    may still change with the parameters) and ``dW = gᵀ·dX``, whose rows are 0 where ``g`` is."""
+    grad, weight = ctx.saved_tensors
+    grad_grad = grad_input.matmul(weight.transpose(0, 1)) if ctx.needs_input_grad[0] else None
+    grad_weight = None
+    if ctx.needs_input_grad[1]:
+        rows = slice(ctx.start, ctx.stop)
+        product = grad[..., rows].flatten(0, -2).transpose(0, 1).matmul(grad_input.flatten(0, -2))
+        if ctx.stop - ctx.start == weight.shape[0]:
+            grad_weight = product
+        else:
+            grad_weight = torch.zeros_like(weight)
+            grad_weight[rows] = product
+    return grad_grad, grad_weight, None, None
+
+
+linear_input_grad.register_autograd(_linear_input_grad_grad, setup_context=_linear_input_grad_setup)
+
+
+def _linear_ones_grad(ctx, grad, grad_ones_bar):
+    weight, bias = ctx.saved_tensors
+    grad_x = linear_input_grad(grad, weight, ctx.start, ctx.stop)
+    grad_bar = grad.matmul(bias).unsqueeze(-1) + grad_ones_bar.sum_to_size(*grad.shape[:-1], 1)
+    grad_ones = (grad_bar / ctx.ones_shape[-1]).expand(*grad_bar.shape[:-1], ctx.ones_shape[-1])
+    return grad_x, grad_ones.sum_to_size(ctx.ones_shape), None, None, None, None
+
+
+linear_ones.register_autograd(_linear_ones_grad, setup_context=_linear_ones_setup)
