@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -55,6 +56,16 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
     cuda = any(t.is_cuda for t in example)
     with torch.no_grad():
         return compile_fx(graph, example, config_patches={"triton.cudagraphs": cuda})
+
+
+@dataclass(frozen=True)
+class CompiledExplanation:
+    """One signature's explanation, kept in ``LinearizedProgram.compiled``: the traced aten graph
+    (``print(c.graph.code)`` shows every op) and the compiled callable that runs it."""
+
+    graph: torch.fx.GraphModule
+    run: Callable
+    seconds: float  # tracing and compiling
 
 
 # What compiles a traced explanation; tests may swap in a cheaper one (the traced graph itself).
@@ -103,10 +114,10 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     if compiled is _FAILED:
         return fused.explain_batch(program, model, x, target)
     with torch.no_grad():  # the graph holds the backward already; the parameters it reads need none
-        return compiled(*_graph_inputs(x, target))
+        return compiled.run(*_graph_inputs(x, target))
 
 
-def _keep(program: LinearizedProgram, key: tuple, compiled: Callable | object) -> None:
+def _keep(program: LinearizedProgram, key: tuple, compiled: CompiledExplanation | object) -> None:
     """Keep ``compiled`` as the most recently used of the program's at most ``MAX_COMPILED``."""
     program.compiled[key] = compiled
     while len(program.compiled) > MAX_COMPILED:
@@ -117,7 +128,7 @@ _FAILED = object()  # a signature whose trace or compilation failed: it runs on 
 
 
 def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, target,
-              expected: tuple[torch.Tensor, ...]) -> Callable | object:
+              expected: tuple[torch.Tensor, ...]) -> CompiledExplanation | object:
     """The traced and compiled explanation of ``target``'s signature, checked against ``expected``.
 
     Returns ``_FAILED`` (after one warning naming the cause) where tracing or compiling fails
@@ -152,7 +163,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
                           f"fused backend's in its {name} by more than {tolerance:g} relative; this signature "
                           "runs on the fused backend", RuntimeWarning, stacklevel=5)
             return _FAILED
+    seconds = time.perf_counter() - start
     log.info("compiled the explanation of %s for input %s %s and target %s in %.1f s (%d aten nodes)",
-             type(model).__name__, tuple(x.shape), x.dtype, _signature(x, target)[0], time.perf_counter() - start,
+             type(model).__name__, tuple(x.shape), x.dtype, _signature(x, target)[0], seconds,
              sum(node.op == "call_function" for node in graph.graph.nodes))
-    return compiled
+    return CompiledExplanation(graph, compiled, seconds)

@@ -51,7 +51,7 @@ class LinearizedProgram:
     # Shapes of the input's ones on which a forward passed every ones check with the checks
     # decided by shapes alone (linearize.values.OnesChecks): later forwards skip them.
     ones_verified: set[tuple[int, ...]] = field(default_factory=set)
-    # The compiled backend's explanations of this program, per target signature (backends.compiled).
+    # The compiled backend's explanations of this program per signature (backends.compiled.CompiledExplanation).
     compiled: dict[tuple, object] = field(default_factory=dict)
 
     def __str__(self) -> str:
