@@ -204,11 +204,12 @@ class Explainer:
     captures the model again (logged at INFO).
 
     Thread-safe: threads may share an ``Explainer``, and several ``Explainer`` objects
-    may run at once; captures run one at a time. The model's own forward must not run in
+    may run at once; captures run one at a time, and so do explanations on the fused and
+    compiled backends, which must not run their custom ops while another thread exports
+    (:data:`~omenn_kernels.capture.CAPTURE_LOCK`). The model's own forward must not run in
     another thread while it is being captured, since ``torch.export`` replaces its
-    parameters by fake tensors meanwhile. Known defect: on the fused backend (``"auto"``
-    on the CPU), an explanation that runs while another thread captures a model can fail
-    with ``KeyError: 'custom'``; the reference backend is tested under concurrent captures.
+    parameters by fake tensors meanwhile; nor should the backward of an explanation made
+    with ``create_graph`` (it runs the custom ops outside the lock).
 
     Args:
         model: any ``nn.Module`` whose forward maps one (B, C, H, W) tensor to (B, K) logits.

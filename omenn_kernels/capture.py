@@ -37,6 +37,10 @@ log = logging.getLogger("omenn_kernels.capture")
 CAPTURE_LOCK = threading.RLock()
 """Held while ``torch.export`` traces a model, and while a model's parameters, buffers or
 structure are read, so that a reader never sees the fake tensors export puts in their place.
+Also held while the custom ops of the fused rules run (``backends.fused``, ``backends.compiled``):
+``torch.library`` wraps each custom op's kernel in a function that, while any thread is
+exporting (a process-wide flag), edits ``torch.fx.traceback``'s process-global node
+metadata without a lock, and an export in another thread fails or corrupts it meanwhile.
 Reentrant, so that a forward (or hook) that explains something while being captured does
 not deadlock."""
 

@@ -113,7 +113,8 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     _keep(program, key, compiled)
     if compiled is _FAILED:
         return fused.explain_batch(program, model, x, target)
-    with torch.no_grad():  # the graph holds the backward already; the parameters it reads need none
+    # The graph calls the fused rules' custom ops: not while another thread exports (CAPTURE_LOCK).
+    with torch.no_grad(), CAPTURE_LOCK:  # the graph holds the backward already; its parameters need none
         return compiled.run(*_graph_inputs(x, target))
 
 

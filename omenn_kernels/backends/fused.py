@@ -19,13 +19,23 @@ import warnings
 
 import torch
 
+from ..capture import CAPTURE_LOCK
 from ..linearize.program import Kind, LinearizedProgram
 from .executor import ParameterGradient, explain_with
 
 
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                   target, parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
-    """``(C_w, C_b, ŷ, target, logits)`` with one ones value per pixel and fused rules."""
+    """``(C_w, C_b, ŷ, target, logits)`` with one ones value per pixel and fused rules.
+
+    Runs under :data:`~omenn_kernels.capture.CAPTURE_LOCK`: not while another thread exports.
+    """
+    with CAPTURE_LOCK:
+        return _explain_batch(program, model, x, target, parameter_gradient)
+
+
+def _explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
+                   target, parameter_gradient: ParameterGradient | None) -> tuple[torch.Tensor, ...]:
     if parameter_gradient is None:
         return explain_with(program, model, x, target, 1, lambda rule: rule.fused or rule.reference)
     once_only = sorted({step.rule.name for step in program.steps
@@ -34,7 +44,7 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     if once_only:
         warnings.warn(f"omenn_kernels: the fused ops of {', '.join(once_only)} have no double backward, "
                       "so explanations differentiable with respect to the parameters (create_graph=True) "
-                      "run their reference rules on the fused backend", RuntimeWarning, stacklevel=4)
+                      "run their reference rules on the fused backend", RuntimeWarning, stacklevel=5)
     # The linearized logits are the model's own only without a held forward (executor).
     value_gradient = parameter_gradient == "total" and not program.multipliers_follow_held
 

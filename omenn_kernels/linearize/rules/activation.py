@@ -14,6 +14,7 @@ LIVE tensor are gates (R5), decided by the graph walker from ``may_gate``.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -47,8 +48,9 @@ CLOSED_FORM: dict = {
 }
 
 
-def _at_zero(op: Callable, x: torch.Tensor, rest: list) -> tuple[float, float]:
-    """``f(0)`` and ``f'(0)`` of ``op`` (with its extra arguments), in float64."""
+@functools.lru_cache(maxsize=256)
+def _at_zero(op: Callable, rest: tuple) -> tuple[float, float]:
+    """``f(0)`` and ``f'(0)`` of ``op`` (with its extra arguments), in float64; once per op and arguments."""
     zero = torch.zeros((), dtype=torch.float64, requires_grad=True)
     with torch.enable_grad():
         at_zero = op(zero, *rest)
@@ -66,7 +68,7 @@ def multiplier(op, x: torch.Tensor, *rest) -> tuple[torch.Tensor, float]:
     closed = CLOSED_FORM.get(op)
     if closed is not None:
         return closed(x, *rest), 0.0
-    offset, slope = _at_zero(op, x, list(rest))
+    offset, slope = _at_zero(op, tuple(rest))
     quotient = (op(x, *rest) - offset) / torch.where(x == 0, torch.ones_like(x), x)
     return torch.where(x == 0, torch.full_like(x, slope), quotient), offset
 
