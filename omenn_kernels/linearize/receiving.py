@@ -37,6 +37,15 @@ class _Unknown(Exception):
     """An argument whose value is not known from the graph alone."""
 
 
+def _hint(size) -> int:
+    """A size as an int: a symbolic size at the example value export traced it with."""
+    if isinstance(size, torch.SymInt):
+        if size.node.hint is None:
+            raise _Unknown(str(size))
+        return int(size.node.hint)
+    return int(size)
+
+
 def _known(arg, followed: torch.fx.Node, tag):
     """``arg`` with ``followed`` replaced by ``tag`` and symbolic sizes by their example values."""
     if arg is followed:
@@ -44,33 +53,17 @@ def _known(arg, followed: torch.fx.Node, tag):
     if isinstance(arg, torch.fx.Node):
         value = arg.meta.get("val")
         if isinstance(value, torch.SymInt):
-            hint = value.node.hint
-            if hint is None:
-                raise _Unknown(arg.name)
-            return int(hint)
+            return _hint(value)
         if isinstance(value, (int, float, bool)):
             return value
         raise _Unknown(arg.name)
     if isinstance(arg, torch.SymInt):
-        if arg.node.hint is None:
-            raise _Unknown(str(arg))
-        return int(arg.node.hint)
+        return _hint(arg)
     if isinstance(arg, (list, tuple)):
         return type(arg)(_known(a, followed, tag) for a in arg)
     if isinstance(arg, dict):
         return {k: _known(v, followed, tag) for k, v in arg.items()}
     return arg
-
-
-def _concrete_shape(value: torch.Tensor) -> list[int]:
-    shape = []
-    for size in value.shape:
-        if isinstance(size, torch.SymInt):
-            if size.node.hint is None:
-                raise _Unknown(str(size))
-            size = size.node.hint
-        shape.append(int(size))
-    return shape
 
 
 def _features_in(tag) -> torch.Tensor:
@@ -95,7 +88,7 @@ def receiving_block(node: torch.fx.Node, without_gradient: set[torch.fx.Node]) -
     if not any(user in without_gradient or _followed(user) for user in node.users):
         return None  # every use receives every feature: nothing to follow
     try:
-        shape = _concrete_shape(value)
+        shape = [_hint(size) for size in value.shape]
     except _Unknown:
         return None
     if torch.Size(shape).numel() > MAX_FOLLOWED:
