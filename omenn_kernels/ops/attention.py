@@ -65,7 +65,6 @@ def attention_backward_dv(q: torch.Tensor, k: torch.Tensor, grad: torch.Tensor, 
 
 def _attention_setup(ctx, inputs, output) -> None:
     q, k, _v, bias, ctx.scale = inputs
-    ctx.has_bias = bias is not None
     ctx.save_for_backward(q, k, output[1], *([bias] if bias is not None else []))
 
 

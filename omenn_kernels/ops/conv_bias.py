@@ -13,8 +13,8 @@ window-sum convolution.
 For explanations differentiable with respect to the parameters the backward
 differentiates again: the input gradient through ``omenn::conv2d_input_grad``, whose own
 backward is a convolution and a weight gradient (autograd's double backward of a
-convolution computes the weight's part as a convolution over the batch, 2–3× slower on
-the CPU), and the ones' gradient through a window sum of the single ones channel.
+convolution computes the weight's part as a convolution over the batch, which is slower
+on the CPU), and the ones' gradient through a window sum of the single ones channel.
 
 Kernels: CPU ``csrc/conv_bias.cpp`` (through ``omenn::conv2d_ones_backward_cpu``), CUDA
 ``triton_kernels/conv_bias.py``. Reference: the rule's
@@ -161,7 +161,6 @@ conv2d_ones_backward.register_autograd(_conv2d_ones_backward_grad, setup_context
 
 def _conv2d_ones_setup(ctx, inputs, output) -> None:
     x, ones, window_sum, weight, bias, ctx.stride, ctx.padding, ctx.dilation, ctx.groups = inputs
-    ctx.has_bias = bias is not None
     ctx.save_for_backward(x, ones, window_sum, weight, bias if bias is not None else weight.new_zeros(weight.shape[0]))
 
 
@@ -180,7 +179,7 @@ def _conv2d_ones_grad(ctx, grad, grad_ones):
     # dtype; the CPU convolution backward needs them equal.
     grad_like_x, weight_like_x = grad.to(x.dtype), weight.to(x.dtype)
     if x.device.type == "cpu" and cuts_patches(x, weight.shape, ctx.stride, ctx.padding, ctx.dilation, ctx.groups):
-        grad_x = _patch_input_grad(grad_like_x, weight_like_x)  # ~2.7× faster than oneDNN's backward here
+        grad_x = _patch_input_grad(grad_like_x, weight_like_x)  # one product, not a convolution backward
     else:
         # x gives only its shape: detached, the backward's graph has no edge to the forward.
         grad_x = conv2d_input_grad(grad_like_x, x.detach(), weight_like_x, ctx.stride, ctx.padding,
