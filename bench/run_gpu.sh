@@ -14,9 +14,14 @@
 # that the whole script ends a few seconds after GPU_BUDGET_S (GPU_PARTS, e.g.
 # "training bulk", runs a subset):
 #
-#   tests      the CUDA tests, as 6 pytest processes side by side (≤ 150 s): the Triton
-#              kernel tests (native on CUDA), the fused backend against the reference on
-#              CUDA, the visualization on CUDA; log $OUT/gpu_tests.log
+#   tests      the CUDA tests, as 7 pytest processes side by side (≤ 150 s): the Triton
+#              kernel tests (native on CUDA), the fused and the compiled backend (Inductor,
+#              CUDA graphs) against the reference on CUDA, the visualization on CUDA;
+#              log $OUT/gpu_tests.log
+#   compiled   bench/gpu_compiled.py: forward, eager and compiled input × gradient,
+#              reference, fused and compiled OMENN on ViT-B/16 and ResNet-50, batch 64
+#              bf16: time, peak memory, compile seconds, profiler counts, correctness
+#                                                           -> $OUT/compiled_gpu.json   (≤ 330 s)
 #   training   bench/test_training.py                       -> $OUT/training_gpu.json   (≤ 150 s)
 #   bulk       bench/test_targets.py bench/test_pipeline.py -> $OUT/bulk_gpu.json       (≤ 150 s)
 #   kernels    bench/test_kernels.py                        -> $OUT/kernels_gpu.json    (≤ 60 s)
@@ -39,7 +44,7 @@ BENCH_LOG=$OUT/bench.log
 : > "$SUMMARY"
 : > "$BENCH_LOG"
 declare -a RESULTS=()
-PARTS=" ${GPU_PARTS:-tests training bulk kernels end2end} "  # a subset reruns only those
+PARTS=" ${GPU_PARTS:-tests compiled training bulk kernels end2end} "  # a subset reruns only those
 
 want() { [[ $PARTS == *" $1 "* ]] || { RESULTS+=("| $1 | not asked for | 0 s |"); false; }; }
 
@@ -104,6 +109,7 @@ TEST_GROUPS=(  # name|test paths|-k expression (may be empty)
     "conv_bias-gpu|tests/triton_kernels/test_triton_conv_bias.py|TestGPU"
     "attention|tests/triton_kernels/test_triton_attention.py|"
     "fused-visualize|tests/backends/test_fused_backend.py::test_fused_on_cuda_equals_reference tests/test_visualize.py::test_device_preserved_and_matches_cpu|"
+    "compiled|tests/backends/test_compiled_backend.py|on_cuda"
 )
 start=$SECONDS
 seconds=$(limit 150)
@@ -139,6 +145,18 @@ done
 ((${#TEST_GROUPS[@]})) && RESULTS+=("| tests, all | | $((SECONDS - start)) s |")
 
 # --- (d) the benchmarks, in order of priority ------------------------------------------------
+if want compiled; then
+    start=$SECONDS
+    seconds=$(limit 330)
+    if ((seconds < 60)); then
+        RESULTS+=("| compiled | skipped (no time left) | 0 s |")
+    else
+        echo "=== compiled: limit ${seconds} s: python bench/gpu_compiled.py" | tee -a "$BENCH_LOG"
+        timeout -s INT -k "$GRACE" "$seconds" python3 bench/gpu_compiled.py --out "$OUT/compiled_gpu.json" \
+            --budget-s $((seconds - 60)) 2>&1 | tee -a "$BENCH_LOG" | grep -v "^\[" | tail -n 20
+        RESULTS+=("| compiled | ${PIPESTATUS[0]} | $((SECONDS - start)) s |")
+    fi
+fi
 want training && bench training 150 bench/test_training.py --benchmark-json "$OUT/training_gpu.json"
 want bulk && bench bulk 150 bench/test_targets.py bench/test_pipeline.py --benchmark-json "$OUT/bulk_gpu.json"
 want kernels && bench kernels 60 bench/test_kernels.py --benchmark-json "$OUT/kernels_gpu.json"
@@ -170,6 +188,10 @@ EOF
     printf '%s\n' "${RESULTS[@]}"
     echo
     echo "total: $SECONDS s"
+    echo
+    if [[ -f $OUT/compiled_gpu.json ]]; then
+        python3 bench/gpu_compiled.py --report "$OUT/compiled_gpu.json" 2>&1
+    fi
     echo
     for json in training_gpu bulk_gpu kernels_gpu end_to_end_gpu; do
         if [[ -f $OUT/$json.json ]]; then

@@ -47,7 +47,7 @@ def _xi(x, slope, KIND: tl.constexpr):
     elif KIND == 3:
         xi = tl.where(x > 0.0, 1.0, 0.0)
     elif KIND == 4:
-        xi = tl.where(x > 0.0, 1.0, slope)
+        xi = tl.where(x > 0.0, 1.0, tl.cast(slope, tl.float32))  # Inductor passes a Python float as fp64
     else:
         xi = tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) * (1.0 / 6.0)
     return xi

@@ -68,6 +68,8 @@ def _attn_fwd_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64, which would promote the scores and the accumulator
+    qk_scale_f32 = tl.cast(qk_scale, tl.float32)
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
@@ -107,7 +109,7 @@ def _attn_fwd_kernel(
         )
         if UPCAST:
             kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale  # log2 domain
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale_f32  # log2 domain
         if HAS_BIAS:
             bias = tl.load(
                 b_base + offs_m[:, None] * stride_bm + offs_n[None, :] * stride_bn,
@@ -165,6 +167,8 @@ def _attn_bwd_dv_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
+    # Inductor passes a Python float as fp64, which would promote the scores and the accumulator
+    qk_scale_f32 = tl.cast(qk_scale, tl.float32)
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // H).to(tl.int64)
@@ -202,7 +206,7 @@ def _attn_bwd_dv_kernel(
         )
         if UPCAST:
             qt = qt.to(tl.float32)
-        st = tl.dot(k, qt, input_precision=DOT_PREC) * qk_scale
+        st = tl.dot(k, qt, input_precision=DOT_PREC) * qk_scale_f32
         if HAS_BIAS:
             bias_t = tl.load(
                 b_base + offs_m[None, :] * stride_bm + offs_n[:, None] * stride_bn,

@@ -120,7 +120,7 @@ def test_a_failed_compilation_warns_once_and_falls_back(monkeypatch):
     with pytest.warns(RuntimeWarning, match="could not compile .*RuntimeError: no C\\+\\+ compiler"):
         first = explainer(x, 1)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.filterwarnings("error", message="omenn_kernels")
         second = explainer(x, 1)
     for e in (first, second):
         _assert_equal_explanations(e, reference(x, 1), torch.float64)
@@ -138,13 +138,30 @@ def test_a_compiled_graph_that_differs_is_not_used(monkeypatch):
     _assert_equal_explanations(explainer(x, 1), Explainer(model, backend="reference")(x, 1), torch.float64)
 
 
+def test_in_half_precision_the_compiled_graph_is_held_to_its_logits_and_completeness(monkeypatch):
+    """bfloat16: a correct graph is used (its weight may differ from the fused backend's by
+    rounding); one that lost its map (all zeros) is not complete and is not used."""
+    model, x = _model("cnn", torch.float32)
+    model, x = model.to(torch.bfloat16), x.to(torch.bfloat16)
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="omenn_kernels")
+        Explainer(model, backend="compiled")(x)
+
+    def lost_map(graph, example):
+        return lambda *inputs: (lambda w, b, *rest: (w * 0, b * 0, *rest))(*graph(*inputs))
+    monkeypatch.setattr(compiled, "COMPILER", lost_map)
+    with pytest.warns(RuntimeWarning, match=r"compiled explanation of .* is not complete"):
+        Explainer(model, backend="compiled")(x)
+
+
 def test_compiled_explanations_are_kept_per_signature_and_bounded(traced, monkeypatch):
     monkeypatch.setattr(compiled, "MAX_COMPILED", 2)
     model, x = _model("mlp", torch.float64)
     explainer = Explainer(model, backend="compiled")
     traces = []
     make_fx = compiled.make_fx
-    monkeypatch.setattr(compiled, "make_fx", lambda f: traces.append(1) or make_fx(f))
+    monkeypatch.setattr(compiled, "make_fx", lambda f, **kwargs: traces.append(1) or make_fx(f, **kwargs))
     for target in (1, 1, None, torch.randn(2, 10, dtype=torch.float64)):
         explainer(x, target)
     assert len(traces) == 3  # indices, predicted, weights
@@ -161,7 +178,7 @@ def test_inductor_compiles_the_explanation_and_follows_parameter_updates():
     x = torch.randn(2, 3, 6, 6)
     explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a fallback would warn
+        warnings.filterwarnings("error", message="omenn_kernels")  # a fallback would warn
         explainer(x, 2)
         _assert_equal_explanations(explainer(x, 2), reference(x, 2), torch.float32)
         with torch.no_grad():
@@ -187,7 +204,7 @@ def test_a_readout_function_is_compiled_with_its_arguments_as_inputs(traced, mon
 
     traces = []
     make_fx = compiled.make_fx
-    monkeypatch.setattr(compiled, "make_fx", lambda f: traces.append(1) or make_fx(f))
+    monkeypatch.setattr(compiled, "make_fx", lambda f, **kwargs: traces.append(1) or make_fx(f, **kwargs))
     for labels in (torch.tensor([0, 3]), torch.tensor([4, 1]), torch.tensor([2, 2])):
         readouts = ReadoutFunction(label_minus_predicted, (labels,))
         _assert_equal_explanations(explainer.explain_targets(x, readouts),
@@ -202,3 +219,30 @@ def test_a_readout_function_of_the_wrong_shape_is_a_clear_error(traced):
     model, x = _model("mlp", torch.float64)
     with pytest.raises(TargetError, match=r"returned shape \(2, 10\) .* of shape \(2, T, 10\)"):
         Explainer(model, backend="compiled").explain_targets(x, ReadoutFunction(lambda logits: logits))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["cnn", "vit"])
+def test_inductor_on_cuda_equals_reference_and_outlives_the_next_run(name):
+    """Inductor with the Triton kernels (``triton_op``) under CUDA graphs, float32 without TF32
+    (relative 1e-4, the fused CUDA test's bound): every run equals the reference, and an
+    explanation kept by the caller is not overwritten by the next run of the same graph."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        family = FAMILIES[name]
+        torch.manual_seed(7)
+        model = randomize_(family.build(), seed=7).cuda().eval()
+        inputs = [torch.randn(2, 3, family.size, family.size, device="cuda") for _ in range(2)]
+        explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
+        expected = [reference(x) for x in inputs]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="omenn_kernels")  # a fallback to the fused backend warns
+            kept = [explainer(inputs[i % 2]) for i in range(5)]  # eager + compile, CUDA graph warm-up, record, replays
+        for i, got in enumerate(kept):
+            for field in ("contribution", "weight", "bias"):
+                assert _relative(getattr(got, field), getattr(expected[i % 2], field)) <= 1e-4, (i, field)
+        program, _ = explainer.program(inputs[0])
+        assert isinstance(next(iter(program.compiled.values())), compiled.CompiledExplanation)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
