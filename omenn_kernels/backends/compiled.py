@@ -36,6 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..capture import CAPTURE_LOCK
 from ..linearize.program import LinearizedProgram
+from ..ops import traced_as_aten
 from ..readout import ReadoutFunction
 from . import fused
 from .executor import ParameterGradient
@@ -135,10 +136,11 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     """The traced and compiled explanation of ``target``'s signature, checked against ``expected``.
 
     Two checks against the fused backend's explanation of the same input: the traced graph,
-    run as it is (the same ops in the same order), must reproduce it to rounding; the
-    compiled graph, whose fused kernels round differently, must too in float32 and
-    float64, and in half precision must give the same logits and a complete explanation
-    (see :func:`_mismatch`). Returns ``_FAILED`` (after one warning naming the cause) where
+    run as it is, must reproduce it to rounding (where it calls the same ops in the same
+    order; where ops were traced as their aten math, :func:`~omenn_kernels.ops.traced_as_aten`,
+    as the compiled graph must); the compiled graph, whose fused kernels round differently,
+    must too in float32 and float64, and in half precision must give the same logits and a
+    complete explanation (see :func:`_mismatch`). Returns ``_FAILED`` (after one warning naming the cause) where
     tracing or compiling fails or a check does not hold.
     """
     def explanation(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -150,9 +152,10 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         return weight.detach(), bias.detach(), explained.detach(), chosen, logits.detach()
 
     example = _graph_inputs(x, target)
+    decompositions = traced_as_aten(x.device)
     start = time.perf_counter()
     try:
-        graph = make_fx(explanation)(*example)
+        graph = make_fx(explanation, decomposition_table=decompositions)(*example)
         with torch.no_grad():
             replayed = graph(*example)
         compiled = COMPILER(graph, example)
@@ -164,7 +167,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
                       f"{str(error).splitlines()[0] if str(error) else ''}); this signature runs on the "
                       "fused backend", RuntimeWarning, stacklevel=5)
         return _FAILED
-    mismatch = _mismatch(replayed, expected, x, "traced", exact_order=True) or \
+    mismatch = _mismatch(replayed, expected, x, "traced", exact_order=not decompositions) or \
         _mismatch(result, expected, x, "compiled", exact_order=False)
     if mismatch:
         warnings.warn(f"omenn_kernels: the {mismatch.format(type(model).__name__)}; this signature runs on the "

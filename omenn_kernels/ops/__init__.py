@@ -47,3 +47,29 @@ def kernels_available(tensor: torch.Tensor) -> bool:
     if tensor.device.type == "cuda":
         return _triton_available()
     return False
+
+
+def traced_as_aten(device: torch.device) -> dict:
+    """The fused ops that a compiled explanation on ``device`` traces as their aten math: a
+    decomposition table for ``make_fx``, so that Inductor fuses them with their neighbours.
+
+    On CUDA: every op but attention (whose Triton kernels never write the T×T weights) and
+    the convolution's ones backward (one Triton kernel where aten needs a window-sum
+    convolution). A custom op reaches Inductor as an opaque call, with its inputs and
+    outputs written to memory, and the activation's Triton kernel cannot fuse with the
+    normalization before it, where Inductor's own kernel can. On the CPU: none (the C++
+    kernels stay, and the pure-aten ops stay opaque calls).
+    """
+    if device.type != "cuda":
+        return {}
+    from . import activation, batch_norm_ones, conv_bias, linear_ones
+
+    omenn = torch.ops.omenn
+    return {omenn.activation.default: activation.reference,
+            omenn.activation_backward.default: activation.reference_backward,
+            omenn.linear_ones.default: linear_ones.value_and_ones,
+            omenn.linear_input_grad.default: linear_ones.input_grad,
+            omenn.conv2d_ones.default: conv_bias.value_and_ones,
+            omenn.conv2d_input_grad.default: conv_bias.input_grad,
+            omenn.batch_norm_ones.default: batch_norm_ones.value,
+            omenn.batch_norm_ones_backward.default: batch_norm_ones.gradients}

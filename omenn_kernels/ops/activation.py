@@ -36,16 +36,25 @@ def fused_kind(op, rest: list) -> tuple[str, float] | None:
     return (kind, 0.0) if kind else None
 
 
-def reference(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
-    """``x·ξ(x)`` by the rule's reference math, ``ξ`` held."""
+def _multiplier(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    """``ξ(x)`` by the rule's reference math."""
     from ..linearize.rules.activation import multiplier
 
     op, rest = {"gelu": (aten.gelu.default, ()), "gelu_tanh": (aten.gelu.default, ("tanh",)),
                 "silu": (aten.silu.default, ()), "relu": (aten.relu.default, ()),
                 "hardswish": (aten.hardswish.default, ()),
                 "leaky_relu": (aten.leaky_relu.default, (slope,))}[kind]
-    xi, _offset = multiplier(op, x.detach(), *rest)
-    return x * xi
+    return multiplier(op, x, *rest)[0]
+
+
+def reference(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    """``x·ξ(x)`` by the rule's reference math, ``ξ`` held."""
+    return x * _multiplier(x.detach(), kind, slope)
+
+
+def reference_backward(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
+    """``grad·ξ(x)`` by the rule's reference math."""
+    return grad * _multiplier(x, kind, slope)
 
 
 @torch.library.custom_op("omenn::activation_cpu", mutates_args=())

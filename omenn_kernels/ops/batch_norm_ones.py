@@ -21,6 +21,11 @@ def channel_view(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return param.view(1, -1, *([1] * (like.dim() - 2)))
 
 
+def value(x: torch.Tensor, ones: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """:func:`batch_norm_ones` in aten ops (its implementation, and its trace in a compiled explanation)."""
+    return x * channel_view(scale, x) + channel_view(shift, x)
+
+
 @torch.library.custom_op("omenn::batch_norm_ones", mutates_args=())
 def batch_norm_ones(x: torch.Tensor, ones: torch.Tensor, scale: torch.Tensor,
                     shift: torch.Tensor) -> torch.Tensor:
@@ -29,7 +34,7 @@ def batch_norm_ones(x: torch.Tensor, ones: torch.Tensor, scale: torch.Tensor,
     Rounded as the reference rounds it (no fused multiply-add): a last-bit difference
     can flip a later ReLU whose input is within rounding of 0.
     """
-    return x * channel_view(scale, x) + channel_view(shift, x)
+    return value(x, ones, scale, shift)
 
 
 @batch_norm_ones.register_fake
@@ -43,15 +48,20 @@ def _batch_norm_ones_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(scale, shift)
 
 
-@torch.library.custom_op("omenn::batch_norm_ones_backward", mutates_args=())
-def batch_norm_ones_backward(grad: torch.Tensor, scale: torch.Tensor,
-                             shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """R3's backward with ones shared per pixel: ``dy·s`` and ``Σ_c dy·b'`` (N, 1, H, W)."""
+def gradients(grad: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`batch_norm_ones_backward` in aten ops (its implementation, and its trace in a compiled explanation)."""
     grad_x = grad * channel_view(scale, grad)
     # Σ_c dy·b' per pixel as one batched vector-matrix product: a 1×1 convolution to a
     # single channel takes ATen's slow CPU path.
     per_pixel = torch.matmul(shift.to(grad.dtype), grad.flatten(2))
     return grad_x, per_pixel.view(grad.shape[0], 1, *grad.shape[2:])
+
+
+@torch.library.custom_op("omenn::batch_norm_ones_backward", mutates_args=())
+def batch_norm_ones_backward(grad: torch.Tensor, scale: torch.Tensor,
+                             shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """R3's backward with ones shared per pixel: ``dy·s`` and ``Σ_c dy·b'`` (N, 1, H, W)."""
+    return gradients(grad, scale, shift)
 
 
 @batch_norm_ones_backward.register_fake

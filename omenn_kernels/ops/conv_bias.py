@@ -44,6 +44,14 @@ def cuts_patches(x: torch.Tensor, weight_shape, stride, padding, dilation, group
             and x.shape[2] % kernel[0] == 0 and x.shape[3] % kernel[1] == 0)
 
 
+def value_and_ones(x: torch.Tensor, ones: torch.Tensor, window_sum: torch.Tensor, weight: torch.Tensor,
+                   bias: Optional[torch.Tensor], stride: list[int], padding: list[int], dilation: list[int],
+                   groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`conv2d_ones` in aten ops (its implementation, and its trace in a compiled explanation)."""
+    value = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return value, (window_sum > 0).to(x.dtype)
+
+
 @torch.library.custom_op("omenn::conv2d_ones", mutates_args=())
 def conv2d_ones(x: torch.Tensor, ones: torch.Tensor, window_sum: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor], stride: list[int], padding: list[int],
@@ -54,8 +62,7 @@ def conv2d_ones(x: torch.Tensor, ones: torch.Tensor, window_sum: torch.Tensor, w
     The backward gives the input and the ones their gradient (not the weight and bias:
     the rule, :mod:`omenn_kernels.linearize.rules.conv`, gives them theirs where asked).
     """
-    value = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-    return value, (window_sum > 0).to(x.dtype)
+    return value_and_ones(x, ones, window_sum, weight, bias, stride, padding, dilation, groups)
 
 
 @conv2d_ones.register_fake
@@ -71,12 +78,18 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, strid
                                                [0, 0], groups, [False, True, False])[1]
 
 
+def input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride: list[int],
+               padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    """:func:`conv2d_input_grad` in aten ops (its implementation, and its trace in a compiled explanation)."""
+    return torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, False,
+                                               [0, 0], groups, [True, False, False])[0]
+
+
 @torch.library.custom_op("omenn::conv2d_input_grad", mutates_args=())
 def conv2d_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride: list[int],
                       padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
     """The input gradient ``convᵀ(grad, W)`` of a 2-D convolution of ``x`` (read for its shape)."""
-    return torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, False,
-                                               [0, 0], groups, [True, False, False])[0]
+    return input_grad(grad, x, weight, stride, padding, dilation, groups)
 
 
 @conv2d_input_grad.register_fake

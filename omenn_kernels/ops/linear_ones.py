@@ -18,6 +18,13 @@ import torch
 import torch.nn.functional as F
 
 
+def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`linear_ones` in aten ops (its implementation, and its trace in a compiled explanation)."""
+    ones_bar = ones.mean(-1, keepdim=True)
+    return F.linear(x, weight) + bias * ones_bar, ones_bar
+
+
 @torch.library.custom_op("omenn::linear_ones", mutates_args=())
 def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                 start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,8 +32,7 @@ def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias:
 
     Only output features ``start:stop`` receive a gradient (the others feed only gates).
     """
-    ones_bar = ones.mean(-1, keepdim=True)
-    return F.linear(x, weight) + bias * ones_bar, ones_bar
+    return value_and_ones(x, ones, weight, bias, start, stop)
 
 
 @linear_ones.register_fake
@@ -41,13 +47,18 @@ def _linear_ones_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(weight, bias)
 
 
-@torch.library.custom_op("omenn::linear_input_grad", mutates_args=())
-def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """``grad·W`` over the output features ``start:stop``, the only ones that receive a gradient."""
+def input_grad(grad: torch.Tensor, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """:func:`linear_input_grad` in aten ops (its implementation, and its trace in a compiled explanation)."""
     if start == 0 and stop == weight.shape[0]:
         return grad.matmul(weight)
     # Views, where indexing would copy the gradient.
     return grad.narrow(-1, start, stop - start).matmul(weight.narrow(0, start, stop - start))
+
+
+@torch.library.custom_op("omenn::linear_input_grad", mutates_args=())
+def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``grad·W`` over the output features ``start:stop``, the only ones that receive a gradient."""
+    return input_grad(grad, weight, start, stop)
 
 
 @linear_input_grad.register_fake

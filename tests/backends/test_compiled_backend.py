@@ -155,6 +155,32 @@ def test_in_half_precision_the_compiled_graph_is_held_to_its_logits_and_complete
         Explainer(model, backend="compiled")(x)
 
 
+@pytest.mark.parametrize("name", ["vit", "cnn", "efficientnet"])
+def test_the_ops_traced_as_aten_math_equal_the_reference(name, traced, monkeypatch):
+    """The decomposition table of a trace on CUDA (:func:`~omenn_kernels.ops.traced_as_aten`), run
+    on the CPU: float64, equal to the reference; the graph calls no fused op but attention and
+    the convolution's ones backward."""
+    from omenn_kernels import ops
+
+    cuda_table = ops.traced_as_aten(torch.device("cuda"))
+    assert cuda_table and not ops.traced_as_aten(torch.device("cpu"))
+    monkeypatch.setattr(compiled, "traced_as_aten", lambda device: cuda_table)
+    model, x = _model(name, torch.float64)
+    reference, explainer = Explainer(model, backend="reference"), Explainer(model, backend="compiled")
+    target = torch.tensor([1, 0])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="omenn_kernels")
+        for _ in range(2):
+            _assert_equal_explanations(explainer(x, target), reference(x, target), torch.float64)
+    program, _ = explainer.program(x)
+    (explanation,) = program.compiled.values()
+    called = {str(node.target) for node in explanation.graph.graph.nodes if node.op == "call_function"}
+    kept = {"omenn.attention.default", "omenn.attention_backward_dv.default", "omenn.conv2d_ones_backward.default"}
+    assert {op for op in called if op.startswith("omenn.")} <= kept
+    assert any(op.startswith("aten.convolution") or op.startswith("aten.mm") or op.startswith("aten.bmm")
+               for op in called)
+
+
 def test_compiled_explanations_are_kept_per_signature_and_bounded(traced, monkeypatch):
     monkeypatch.setattr(compiled, "MAX_COMPILED", 2)
     model, x = _model("mlp", torch.float64)
