@@ -18,7 +18,8 @@ models, biases and norm statistics randomized, parameters frozen; batch 64, bflo
   graph counts only what lies outside its pool;
 - one ``torch.profiler`` pass of one call: GPU kernels launched, GPU-busy fraction (the
   union of kernel and copy intervals over the span from the call's first CPU op to its
-  last GPU activity), CUDA graph launches and host synchronizations;
+  last GPU activity), CUDA graph launches and host synchronizations (the pass ends with one
+  of its own, and each host read counts its read and its wait);
 - for ``omenn_compiled``: the compile seconds of the signature and whether the compiled
   graph (not the fused fallback) ran;
 - correctness of each OMENN backend in the benchmark's dtype: ``Σ C − logit`` relative to

@@ -6,7 +6,9 @@ ones checks for the input's shape (:class:`~omenn_kernels.linearize.values.OnesC
 so that nothing is read back to the host afterwards. It then traces the whole
 explanation — the linearized forward, the read-out and the backward to the input and
 the ones, every read-out of ``explain_targets`` included — with ``make_fx`` into one aten
-graph, and compiles that graph (Inductor; CUDA graphs on CUDA). Later calls with the
+graph, and compiles that graph (Inductor; CUDA graphs on CUDA, where the fused ops but
+attention and the convolution's ones backward are traced as their aten math, so that
+Inductor fuses them: :func:`~omenn_kernels.ops.traced_as_aten`). Later calls with the
 same signature run the compiled graph only: no Python per node, no rule dispatch. A
 program that serves several batch sizes (:func:`~omenn_kernels.capture.capture`) is
 traced and compiled once per batch size, without capturing or linearizing again.
@@ -140,8 +142,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     order; where ops were traced as their aten math, :func:`~omenn_kernels.ops.traced_as_aten`,
     as the compiled graph must); the compiled graph, whose fused kernels round differently,
     must too in float32 and float64, and in half precision must give the same logits and a
-    complete explanation (see :func:`_mismatch`). Returns ``_FAILED`` (after one warning naming the cause) where
-    tracing or compiling fails or a check does not hold.
+    complete explanation (see :func:`_mismatch`). Returns ``_FAILED`` (after one warning
+    naming the cause) where tracing or compiling fails or a check does not hold.
     """
     def explanation(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if isinstance(target, ReadoutFunction):
