@@ -220,7 +220,6 @@ def test_a_readout_function_is_compiled_with_its_arguments_as_inputs(traced, mon
     traced into the graph; new argument values are read at every call, not baked in."""
     model, x = _model("cnn", torch.float64)
     reference, explainer = Explainer(model, backend="reference"), Explainer(model, backend="compiled")
-    classes = reference(x).logits.shape[1]
 
     def label_minus_predicted(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Two read-outs per image: the label, and the label minus the predicted class."""
