@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -308,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out is required (the JSON to write)")
+    unknown = [name for name in args.models if not timm.is_model(name)]
+    if unknown:
+        parser.error(f"--models: timm has no model named {', '.join(unknown)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
     args.deadline = time.perf_counter() + args.budget_s
@@ -333,8 +337,10 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
-    def write() -> None:
-        args.out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+    def write() -> None:  # atomically: a run killed while writing keeps the previous JSON
+        partial = args.out.with_name(args.out.name + ".partial")
+        partial.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1))
+        os.replace(partial, args.out)
 
     print(machine, flush=True)
     for model_name in args.models:

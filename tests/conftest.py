@@ -50,3 +50,12 @@ def folder_with_corrupt_file(tmp_path_factory) -> Path:
     good = next(iter(sorted(folder.rglob("*.png"))))
     (good.parent / "0000b.png").write_bytes(good.read_bytes()[:60])
     return folder
+
+
+@pytest.fixture
+def full_float32_on_cuda():
+    """cuDNN and cuBLAS in full float32 (no TF32), so that differences are the kernels', not rounding's."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved

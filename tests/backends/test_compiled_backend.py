@@ -248,26 +248,21 @@ def test_a_readout_function_of_the_wrong_shape_is_a_clear_error(traced):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["cnn", "vit"])
-def test_inductor_on_cuda_equals_reference_and_outlives_the_next_run(name):
+def test_inductor_on_cuda_equals_reference_and_outlives_the_next_run(name, full_float32_on_cuda):
     """Inductor with the Triton kernels (``triton_op``) under CUDA graphs, float32 without TF32
     (relative 1e-4, the fused CUDA test's bound): every run equals the reference, and an
     explanation kept by the caller is not overwritten by the next run of the same graph."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        family = FAMILIES[name]
-        torch.manual_seed(7)
-        model = randomize_(family.build(), seed=7).cuda().eval()
-        inputs = [torch.randn(2, 3, family.size, family.size, device="cuda") for _ in range(2)]
-        explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
-        expected = [reference(x) for x in inputs]
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", message="omenn_kernels")  # a fallback to the fused backend warns
-            kept = [explainer(inputs[i % 2]) for i in range(5)]  # eager + compile, CUDA graph warm-up, record, replays
-        for i, got in enumerate(kept):
-            for field in ("contribution", "weight", "bias"):
-                assert _relative(getattr(got, field), getattr(expected[i % 2], field)) <= 1e-4, (i, field)
-        program, _ = explainer.program(inputs[0])
-        assert isinstance(next(iter(program.compiled.values())), compiled.CompiledExplanation)
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    family = FAMILIES[name]
+    torch.manual_seed(7)
+    model = randomize_(family.build(), seed=7).cuda().eval()
+    inputs = [torch.randn(2, 3, family.size, family.size, device="cuda") for _ in range(2)]
+    explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
+    expected = [reference(x) for x in inputs]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="omenn_kernels")  # a fallback to the fused backend warns
+        kept = [explainer(inputs[i % 2]) for i in range(5)]  # eager + compile, CUDA graph warm-up, record, replays
+    for i, got in enumerate(kept):
+        for field in ("contribution", "weight", "bias"):
+            assert _relative(getattr(got, field), getattr(expected[i % 2], field)) <= 1e-4, (i, field)
+    program, _ = explainer.program(inputs[0])
+    assert isinstance(next(iter(program.compiled.values())), compiled.CompiledExplanation)

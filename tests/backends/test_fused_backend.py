@@ -234,15 +234,6 @@ def test_attention_op_gives_only_dv_equal_to_weights_transposed_times_grad():
     torch.testing.assert_close(dv, weights.transpose(-2, -1) @ grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.fixture
-def full_float32_on_cuda():
-    """cuDNN and cuBLAS in full float32 (no TF32), so that differences are the kernels', not rounding's."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["cnn", "vit", "convnext", "efficientnet", "swin"])
 def test_fused_on_cuda_equals_reference(name, full_float32_on_cuda):
