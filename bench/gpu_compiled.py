@@ -16,7 +16,8 @@ models, biases and norm statistics randomized, parameters frozen; batch 64, bflo
   since a CUDA graph's pool is reserved but not allocated between replays; and the peak
   allocated during one call (``max_memory_allocated`` after a reset), which for a CUDA
   graph counts only what lies outside its pool;
-- one ``torch.profiler`` pass of one call: GPU kernels launched, GPU-busy fraction (the
+- one ``torch.profiler`` pass of one call: GPU kernels launched, their summed time and
+  the twenty names that take most of it, GPU-busy fraction (the
   union of kernel and copy intervals over the span from the call's first CPU op to its
   last GPU activity), CUDA graph launches and host synchronizations (the pass ends with one
   of its own, and each host read counts its read and its wait);
@@ -113,6 +114,12 @@ def _profile(call: Callable) -> dict:
     first = min([e.time_range.start for e in cpu] or [0])
     last = max([e.time_range.end for e in gpu] or [first])
     names = [e.name for e in cpu]
+    by_name: dict[str, list] = {}
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:160], [0, 0.0])
+        entry[0] += 1
+        entry[1] += (e.time_range.end - e.time_range.start) / 1e3
+    top = sorted(by_name.items(), key=lambda item: -item[1][1])[:20]
     return {
         "kernels": len(kernels),
         "gpu_busy_fraction": busy / (last - first) if last > first else None,
@@ -121,6 +128,8 @@ def _profile(call: Callable) -> dict:
         "host_syncs": sum(n in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
                                 "cudaEventSynchronize") for n in names),
         "device_to_host_copies": sum(e.name.startswith("Memcpy DtoH") for e in gpu),
+        "kernel_ms": sum(entry[1] for entry in by_name.values()),
+        "top_kernels": [{"name": name, "count": count, "ms": ms} for name, (count, ms) in top],
     }
 
 
@@ -286,6 +295,12 @@ def _print_tables(rows: list[dict]) -> None:
     print("\n| model | method | ms | ÷ input × gradient | ÷ forward | memory held ÷ input × gradient's |")
     print("|---|---|---|---|---|---|")
     print("\n".join(_ratios(rows)))
+    for row in rows:  # where the GPU time of one call goes
+        if row.get("top_kernels"):
+            print(f"\n{row['model']} {row['method']}: {row['kernel_ms']:.2f} ms in {row['kernels']} kernels; "
+                  "the most:")
+            for kernel in row["top_kernels"][:10]:
+                print(f"  {kernel['ms']:7.3f} ms {kernel['count']:4d}×  {kernel['name'][:110]}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,9 @@
 #              reference, fused and compiled OMENN on ViT-B/16 and ResNet-50, batch 64
 #              bf16: time, peak memory, compile seconds, profiler counts, correctness
 #                                                           -> $OUT/compiled_gpu.json   (≤ 330 s)
+#   attention  bench/gpu_attention.py: the Triton attention (forward, dV-only backward) against
+#              SDPA's forward and full backward, and PyTorch's forwards that return the
+#              log-sum-exp, as CUDA graphs                  -> $OUT/attention_gpu.json  (≤ 90 s)
 #   training   bench/test_training.py                       -> $OUT/training_gpu.json   (≤ 150 s)
 #   bulk       bench/test_targets.py bench/test_pipeline.py -> $OUT/bulk_gpu.json       (≤ 150 s)
 #   kernels    bench/test_kernels.py                        -> $OUT/kernels_gpu.json    (≤ 60 s)
@@ -44,7 +47,7 @@ BENCH_LOG=$OUT/bench.log
 : > "$SUMMARY"
 : > "$BENCH_LOG"
 declare -a RESULTS=()
-PARTS=" ${GPU_PARTS:-tests compiled training bulk kernels end2end} "  # a subset reruns only those
+PARTS=" ${GPU_PARTS:-tests compiled attention training bulk kernels end2end} "  # a subset reruns only those
 
 want() { [[ $PARTS == *" $1 "* ]] || { RESULTS+=("| $1 | not asked for | 0 s |"); false; }; }
 
@@ -157,6 +160,18 @@ if want compiled; then
         RESULTS+=("| compiled | ${PIPESTATUS[0]} | $((SECONDS - start)) s |")
     fi
 fi
+if want attention; then
+    start=$SECONDS
+    seconds=$(limit 90)
+    if ((seconds < 20)); then
+        RESULTS+=("| attention | skipped (no time left) | 0 s |")
+    else
+        echo "=== attention: limit ${seconds} s: python bench/gpu_attention.py" | tee -a "$BENCH_LOG"
+        timeout -s INT -k "$GRACE" "$seconds" python3 bench/gpu_attention.py --out "$OUT/attention_gpu.json" 2>&1 \
+            | tee -a "$BENCH_LOG" | tail -n 20
+        RESULTS+=("| attention | ${PIPESTATUS[0]} | $((SECONDS - start)) s |")
+    fi
+fi
 want training && bench training 150 bench/test_training.py --benchmark-json "$OUT/training_gpu.json"
 want bulk && bench bulk 150 bench/test_targets.py bench/test_pipeline.py --benchmark-json "$OUT/bulk_gpu.json"
 want kernels && bench kernels 60 bench/test_kernels.py --benchmark-json "$OUT/kernels_gpu.json"
@@ -191,6 +206,9 @@ EOF
     echo
     if [[ -f $OUT/compiled_gpu.json ]]; then
         python3 bench/gpu_compiled.py --report "$OUT/compiled_gpu.json" 2>&1
+    fi
+    if [[ -f $OUT/attention_gpu.json ]]; then
+        python3 bench/gpu_attention.py --report "$OUT/attention_gpu.json" 2>&1
     fi
     echo
     for json in training_gpu bulk_gpu kernels_gpu end_to_end_gpu; do
