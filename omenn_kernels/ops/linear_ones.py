@@ -51,8 +51,11 @@ def input_grad(grad: torch.Tensor, weight: torch.Tensor, start: int, stop: int) 
     """:func:`linear_input_grad` in aten ops (its implementation, and its trace in a compiled explanation)."""
     if start == 0 and stop == weight.shape[0]:
         return grad.matmul(weight)
-    # Views, where indexing would copy the gradient.
-    return grad.narrow(-1, start, stop - start).matmul(weight.narrow(0, start, stop - start))
+    # Views, where indexing would copy the gradient; one matrix product over the flattened
+    # positions (a row-strided view), where matmul would broadcast the weight over a batch.
+    receiving = grad.narrow(-1, start, stop - start)
+    product = receiving.reshape(-1, stop - start).mm(weight.narrow(0, start, stop - start))
+    return product.view(*grad.shape[:-1], weight.shape[1])
 
 
 @torch.library.custom_op("omenn::linear_input_grad", mutates_args=())
@@ -94,6 +97,9 @@ linear_input_grad.register_autograd(_linear_input_grad_grad, setup_context=_line
 def _linear_ones_grad(ctx, grad, grad_ones_bar):
     weight, bias = ctx.saved_tensors
     grad_x = linear_input_grad(grad, weight, ctx.start, ctx.stop)
+    receiving = ctx.stop - ctx.start
+    if receiving < bias.shape[0]:  # the other features receive no gradient: Σ_c dy_c·b_c skips them
+        grad, bias = grad.narrow(-1, ctx.start, receiving), bias.narrow(0, ctx.start, receiving)
     grad_bar = grad.matmul(bias).unsqueeze(-1) + grad_ones_bar.sum_to_size(*grad.shape[:-1], 1)
     grad_ones = (grad_bar / ctx.ones_shape[-1]).expand(*grad_bar.shape[:-1], ctx.ones_shape[-1])
     return grad_x, grad_ones.sum_to_size(ctx.ones_shape), None, None, None, None
