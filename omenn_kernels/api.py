@@ -81,11 +81,26 @@ def _check_input(x: object, model: torch.nn.Module) -> torch.Tensor:
     if reference is not None and reference.dtype != x.dtype:
         raise InputTypeError(f"the input has dtype {x.dtype} but the model's parameters are "
                              f"{reference.dtype}; convert one of them")
-    # aminmax propagates NaN and is ~15x faster than an elementwise isfinite on CPU.
-    if not bool(torch.isfinite(torch.stack(torch.aminmax(x))).all()):
-        bad = int((~torch.isfinite(x)).sum())
-        raise InputError(f"the input contains {bad} NaN or Inf values; OMENN explains finite inputs only")
     return x
+
+
+class _Finiteness:
+    """Whether every value of an input is finite: computed on its device at once, read by the
+    host (a device sync) when first required."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        # aminmax propagates NaN and is ~15x faster than an elementwise isfinite on CPU.
+        self.finite: torch.Tensor | None = torch.isfinite(torch.stack(torch.aminmax(x))).all()
+
+    def require(self) -> None:
+        """Raise :class:`InputError` if the input holds NaN or Inf (reads the verdict once)."""
+        if self.finite is None:
+            return
+        finite, self.finite = bool(self.finite), None
+        if not finite:
+            bad = int((~torch.isfinite(self.x)).sum())
+            raise InputError(f"the input contains {bad} NaN or Inf values; OMENN explains finite inputs only")
 
 
 def _shown(values: torch.Tensor) -> str:
@@ -250,7 +265,26 @@ class Explainer:
         Captures the model if no program for the signature is cached, or if the model's
         structure changed since the cached ones were captured (they are then dropped).
         """
-        key = (tuple(x.shape), x.dtype, x.device)
+        with self._lock:
+            cached = self._cached_program(x)
+            if cached is not None:
+                return cached
+            captured = capture(self.model, x)
+            program = linearize(captured)
+            output = next(n for n in captured.graph.nodes if n.name == captured.output_name)
+            shape = (x.shape[0], *output.meta["val"].shape[1:]) if output.meta["val"].dim() else ()
+            if len(shape) != 2:
+                raise InputError(f"the model's output has shape {shape}; explain needs (batch, "
+                                 "num_classes) logits")
+            # A program that serves a range of batch sizes is kept under the shape (None, C, H, W).
+            key = (tuple(x.shape), x.dtype, x.device) if captured.batch_range is None else \
+                ((None, *x.shape[1:]), x.dtype, x.device, captured.batch_range)
+            self._programs[key] = (program, int(shape[1]))
+            return self._programs[key]
+
+    def _cached_program(self, x: torch.Tensor) -> tuple[LinearizedProgram, int] | None:
+        """The cached program for ``x``'s signature, or None (the cache dropped first if the
+        model's structure changed since its programs were captured)."""
         any_batch = (None, *x.shape[1:])  # the key's shape of a program that serves a range of batch sizes
         with self._lock:
             if self._structure is None or not self._structure.matches(self.model):
@@ -259,22 +293,12 @@ class Explainer:
                              self._structure.changes(self.model))
                 self._programs = {}
                 self._structure = ModelStructure.record(self.model)
-            for (shared_shape, dtype, device, *_), entry in self._programs.items():
-                if (shared_shape, dtype, device) == (any_batch, x.dtype, x.device) and \
+            for (shape, dtype, device, *_), entry in self._programs.items():
+                if (shape, dtype, device) == (tuple(x.shape), x.dtype, x.device) or \
+                        (shape, dtype, device) == (any_batch, x.dtype, x.device) and \
                         entry[0].captured.serves_batch(x.shape[0]):
                     return entry
-            if key not in self._programs:
-                captured = capture(self.model, x)
-                program = linearize(captured)
-                output = next(n for n in captured.graph.nodes if n.name == captured.output_name)
-                shape = (x.shape[0], *output.meta["val"].shape[1:]) if output.meta["val"].dim() else ()
-                if len(shape) != 2:
-                    raise InputError(f"the model's output has shape {shape}; explain needs (batch, "
-                                     "num_classes) logits")
-                if captured.batch_range is not None:
-                    key = (any_batch, x.dtype, x.device, captured.batch_range)
-                self._programs[key] = (program, int(shape[1]))
-            return self._programs[key]
+            return None
 
     def __call__(self, x: torch.Tensor, target: Target = None, *, create_graph: bool = False,
                  parameter_gradient: ParameterGradient = "total") -> Explanation:
@@ -339,14 +363,24 @@ class Explainer:
         """
         parameter_gradient = _parameter_gradient(create_graph, parameter_gradient)
         x = _check_input(x, self.model)
+        finite = _Finiteness(x)
         # Explaining needs autograd, also when called under inference_mode.
         with torch.inference_mode(False):
             if x.is_inference():
                 x = x.clone()
-            program, classes = self.program(x)
+            # A compiled graph that only replays reads the verdict once it is launched, so that
+            # the device runs it while the host waits; nothing is captured, run or compiled
+            # for a bad input.
+            cached = self._cached_program(x) if self.backend == "compiled" else None
+            if cached is None:
+                finite.require()
+            program, classes = cached or self.program(x)
             target = checked_target(x.shape[0], classes, x.device)
+            if cached is None or not backends.compiled.replays(program, x, target, parameter_gradient):
+                finite.require()
             weight, bias, logit, explained, logits = self._run(program, self.model, x, target,
                                                                parameter_gradient)
+            finite.require()
             per_readout = x.reshape(x.shape[0], *([1] * (weight.dim() - x.dim())), *x.shape[1:])
             contribution = (weight * per_readout).sum(-3) + bias
         return _kept(Explanation(contribution, weight, bias, logit, explained, logits), create_graph)

@@ -101,10 +101,24 @@ def _graph_inputs(x: torch.Tensor, target) -> list[torch.Tensor]:
     return [x, target]
 
 
+def _compilable(target, parameter_gradient: ParameterGradient | None) -> bool:
+    """Whether explanations of ``target`` are compiled (else they run on the fused backend)."""
+    return parameter_gradient is None and (not callable(target) or isinstance(target, ReadoutFunction))
+
+
+def replays(program: LinearizedProgram, x: torch.Tensor, target,
+            parameter_gradient: ParameterGradient | None = None) -> bool:
+    """Whether :func:`explain_batch` of these arguments only runs a graph compiled earlier."""
+    if not _compilable(target, parameter_gradient):
+        return False
+    compiled = program.compiled.get(_signature(x, target))
+    return compiled is not None and compiled is not _FAILED
+
+
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                   target, parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
     """``(C_w, C_b, ŷ, target, logits)`` from the compiled graph of this signature (see the module docstring)."""
-    if parameter_gradient is not None or (callable(target) and not isinstance(target, ReadoutFunction)):
+    if not _compilable(target, parameter_gradient):
         return fused.explain_batch(program, model, x, target, parameter_gradient)
     key = _signature(x, target)
     compiled = program.compiled.pop(key, None)

@@ -9,13 +9,14 @@ float64, 1e-5 in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from omenn_kernels import Explainer, ReadoutFunction, TargetError
+from omenn_kernels import Explainer, InputError, ReadoutFunction, TargetError
 from omenn_kernels.backends import compiled, fused
 from omenn_kernels.testing import FAMILIES, randomize_
 
@@ -106,8 +107,47 @@ def test_a_compiled_explanation_is_one_graph_and_reads_nothing_back(name, traced
     assert SYNC not in inside.ops
     with _Dispatched() as whole:
         e = explainer(x, 1)
-    assert whole.ops.count(SYNC) == 1  # api._check_input's finiteness check
+    assert whole.ops.count(SYNC) == 1  # the API's finiteness check of the input
     torch.testing.assert_close(e.contribution.sum((1, 2)), e.logit, rtol=1e-4, atol=1e-4)
+
+
+class _Order(TorchDispatchMode):
+    """Appends ``"read"`` to ``order`` at every host read."""
+
+    def __init__(self, order: list) -> None:
+        super().__init__()
+        self.order = order
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is SYNC:
+            self.order.append("read")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_replayed_graph_runs_before_the_input_check_is_read_and_nan_is_still_refused(traced):
+    """On a GPU, the device runs the graph while the host waits for the finiteness verdict."""
+    model, x = _model("cnn", torch.float32)
+    explainer = Explainer(model, backend="compiled")
+    bad = x.clone()
+    bad[1, 2, 3, 4] = float("nan")
+    with pytest.raises(InputError, match=r"1 NaN or Inf"):
+        explainer(bad, 1)  # refused before anything is captured or compiled for it
+    assert not explainer._programs
+    first = explainer(x, 1)
+    program, _ = explainer.program(x)
+    ((key, traced_graph),) = program.compiled.items()
+    order: list = []
+    explanation = dataclasses.replace(traced_graph,
+                                      run=lambda *inputs: order.append("graph") or traced_graph.run(*inputs))
+    program.compiled[key] = explanation
+    with _Order(order):
+        again = explainer(x, 1)
+    assert order == ["graph", "read"]
+    _assert_equal_explanations(again, first, torch.float32)
+    with pytest.raises(InputError, match=r"1 NaN or Inf"):
+        explainer(bad, 1)
+    assert list(program.compiled.values()) == [explanation]  # kept, not marked failed
+    _assert_equal_explanations(explainer(x, 1), first, torch.float32)
 
 
 def test_a_failed_compilation_warns_once_and_falls_back(monkeypatch):
