@@ -22,9 +22,9 @@ def _fastest(program, model, x, target, parameter_gradient=None) -> tuple:
     minutes per signature, paid back only after a hundred or more batches of one shape),
     ``reference`` on CUDA
     (``end_to_end_gpu.json``: cuDNN and cuBLAS beat the Triton kernels launched op by op;
-    ``compiled_gpu_traced_aten.json``: ``compiled`` takes 0.23–0.37× the reference's time
-    once compiled, but its compilation of about a minute per signature pays off only after
-    1,200–2,300 batches of the same shape).
+    ``compiled_gpu.json``: ``compiled`` takes 0.18–0.22× the reference's time once
+    compiled, but its compilation of about a minute per signature pays off only after
+    900–1,100 batches of the same shape).
     """
     backend = fused if x.device.type == "cpu" else reference
     return backend.explain_batch(program, model, x, target, parameter_gradient)
