@@ -77,6 +77,20 @@ bench() {
     RESULTS+=("| $name | $rc | $((SECONDS - start)) s |")
 }
 
+# script NAME CAP LEAST ARGS...: one Python script under its limit, skipped with under LEAST s left.
+script() {
+    local name=$1 cap=$2 least=$3 seconds start=$SECONDS
+    shift 3
+    seconds=$(limit "$cap")
+    if ((seconds < least)); then
+        RESULTS+=("| $name | skipped (no time left) | 0 s |")
+        return
+    fi
+    echo "=== $name: limit ${seconds} s: python $*" | tee -a "$BENCH_LOG"
+    timeout -s INT -k "$GRACE" "$seconds" python3 "$@" 2>&1 | tee -a "$BENCH_LOG" | grep -v "^\[" | tail -n 20
+    RESULTS+=("| $name | ${PIPESTATUS[0]} | $((SECONDS - start)) s |")
+}
+
 # --- (a) packages and environment -----------------------------------------------------
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl 2>&1 | grep -v "Running pip as the 'root' user" | tail -n 5
@@ -148,30 +162,9 @@ done
 ((${#TEST_GROUPS[@]})) && RESULTS+=("| tests, all | | $((SECONDS - start)) s |")
 
 # --- (d) the benchmarks, in order of priority ------------------------------------------------
-if want compiled; then
-    start=$SECONDS
-    seconds=$(limit 330)
-    if ((seconds < 60)); then
-        RESULTS+=("| compiled | skipped (no time left) | 0 s |")
-    else
-        echo "=== compiled: limit ${seconds} s: python bench/gpu_compiled.py" | tee -a "$BENCH_LOG"
-        timeout -s INT -k "$GRACE" "$seconds" python3 bench/gpu_compiled.py --out "$OUT/compiled_gpu.json" \
-            --budget-s $((seconds - 60)) 2>&1 | tee -a "$BENCH_LOG" | grep -v "^\[" | tail -n 20
-        RESULTS+=("| compiled | ${PIPESTATUS[0]} | $((SECONDS - start)) s |")
-    fi
-fi
-if want attention; then
-    start=$SECONDS
-    seconds=$(limit 90)
-    if ((seconds < 20)); then
-        RESULTS+=("| attention | skipped (no time left) | 0 s |")
-    else
-        echo "=== attention: limit ${seconds} s: python bench/gpu_attention.py" | tee -a "$BENCH_LOG"
-        timeout -s INT -k "$GRACE" "$seconds" python3 bench/gpu_attention.py --out "$OUT/attention_gpu.json" 2>&1 \
-            | tee -a "$BENCH_LOG" | tail -n 20
-        RESULTS+=("| attention | ${PIPESTATUS[0]} | $((SECONDS - start)) s |")
-    fi
-fi
+want compiled && script compiled 330 60 bench/gpu_compiled.py --out "$OUT/compiled_gpu.json" \
+    --budget-s $(($(limit 330) - 60))
+want attention && script attention 90 20 bench/gpu_attention.py --out "$OUT/attention_gpu.json"
 want training && bench training 150 bench/test_training.py --benchmark-json "$OUT/training_gpu.json"
 want bulk && bench bulk 150 bench/test_targets.py bench/test_pipeline.py --benchmark-json "$OUT/bulk_gpu.json"
 want kernels && bench kernels 60 bench/test_kernels.py --benchmark-json "$OUT/kernels_gpu.json"
