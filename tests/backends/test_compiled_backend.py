@@ -70,6 +70,27 @@ def test_compiled_equals_reference_on_every_family(name, traced):
         _assert_equal_explanations(explainer(x, target), expected, torch.float64)
 
 
+def test_the_traced_attention_is_one_block_where_eager_runs_it_in_chunks(traced, monkeypatch):
+    """The CPU's eager attention runs over chunks of heads written into slices of a buffer;
+    the traced graph computes it whole (its compiler blocks the loops, and writes into
+    slices would become scatters): one softmax per attention layer, no ``out=`` ops."""
+    from omenn_kernels.linearize.rules import attention
+
+    monkeypatch.setattr(attention, "_CHUNK_BYTES", 1)  # one head per chunk when eager
+    model, x = _model("vit", torch.float64)
+    explainer = Explainer(model, backend="compiled")
+    expected = Explainer(model, backend="reference")(x, 1)
+    for _ in range(2):
+        _assert_equal_explanations(explainer(x, 1), expected, torch.float64)
+    program, _ = explainer.program(x)
+    (explanation,) = program.compiled.values()
+    targets = [str(node.target) for node in explanation.graph.graph.nodes if node.op == "call_function"]
+    layers = sum(isinstance(m, torch.nn.MultiheadAttention) or type(m).__name__ == "Attention"
+                 for m in model.modules())
+    assert layers and sum("softmax" in t for t in targets) == layers
+    assert not [t for t in targets if t.endswith("_out") or ".out" in t]
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("name", ["vit", "cnn"])
 def test_compiled_equals_reference_for_every_kind_of_target(name, dtype, traced):

@@ -26,6 +26,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ...ops import kernels_available
 from ...ops.attention import attention
@@ -91,8 +92,11 @@ _CHUNK_BYTES = 1 << 20  # on the CPU, T×T blocks of about this size stay in cac
 
 def _head_chunks(heads: int, tq: int, tk: int, like: torch.Tensor) -> list[slice]:
     """Slices of the flattened (batch·heads) dimension for attention in chunks: one on
-    accelerators (a launch per chunk would cost more), blocks of ~1 MiB on the CPU."""
-    step = heads if like.device.type != "cpu" else max(1, _CHUNK_BYTES // (tq * tk * like.element_size()))
+    accelerators (a launch per chunk would cost more) and in a traced graph (whose compiler
+    blocks the loops itself, where writes into slices of a buffer become scatters), blocks
+    of ~1 MiB on the CPU."""
+    whole = like.device.type != "cpu" or get_proxy_mode() is not None
+    step = heads if whole else max(1, _CHUNK_BYTES // (tq * tk * like.element_size()))
     return [slice(start, min(start + step, heads)) for start in range(0, heads, step)]
 
 
@@ -105,8 +109,12 @@ def _weights_and_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """``A = softmax(QKᵀ·s)`` and ``A·V`` (no autograd) for (heads, T, E) rows (:func:`_rows`),
     the scores only ever one chunk of heads at a time (:func:`_head_chunks`)."""
     heads, tq, tk = q.shape[0], q.shape[1], k.shape[1]
+    chunks = _head_chunks(heads, tq, tk, q)
+    if len(chunks) == 1:
+        weights = torch.softmax(torch.matmul(q * scale, k.transpose(-2, -1)), -1)
+        return weights, torch.matmul(weights, v)
     weights, out = q.new_empty(heads, tq, tk), q.new_empty(heads, tq, v.shape[-1])
-    for rows in _head_chunks(heads, tq, tk, q):
+    for rows in chunks:
         torch.softmax(torch.matmul(q[rows] * scale, k[rows].transpose(-2, -1)), -1, out=weights[rows])
         torch.matmul(weights[rows], v[rows], out=out[rows])
     return weights, out
