@@ -18,7 +18,8 @@ setup(
     extras_require={
         # the explanation-quality benchmark's compared methods and metrics
         "eval": ["captum", "zennit", "quantus==0.6.0", "scipy"],
-        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "hypothesis", "captum", "zennit", "quantus==0.6.0", "scipy"],
+        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "hypothesis", "captum", "zennit", "quantus==0.6.0", "scipy",
+                 "transformers"],  # Hugging Face models and ModelOutput in the tests
     },
     entry_points={"console_scripts": ["omenn=omenn_kernels.cli:entry_point"]},
 )

@@ -6,12 +6,12 @@ give, per pixel, contributions that sum to the explained logit.
 """
 
 from .api import Explainer, Explanation, ReadoutFunction, explain, explainer_for, quantus_explain
-from .errors import (CaptureError, InputError, InputTypeError, OmennError, TargetError,
+from .errors import (CaptureError, InputError, InputTypeError, OmennError, OutputError, TargetError,
                      UnsupportedOpError)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError", "Explainer", "Explanation", "InputError", "InputTypeError", "OmennError",
-    "ReadoutFunction", "TargetError", "UnsupportedOpError", "explain", "explainer_for", "quantus_explain", "__version__",
+    "OutputError", "ReadoutFunction", "TargetError", "UnsupportedOpError", "explain", "explainer_for", "quantus_explain", "__version__",
 ]

@@ -15,7 +15,7 @@ import torch
 
 from . import backends
 from .backends.executor import PARAMETER_GRADIENTS, ParameterGradient
-from .capture import ModelStructure, capture, reference_parameter
+from .capture import ModelStructure, OutputSelector, capture, checked_selector, reference_parameter
 from .errors import InputError, InputTypeError, TargetError
 from .linearize import LinearizedProgram, linearize
 from .readout import ReadoutFunction
@@ -28,11 +28,13 @@ Readouts = Union[torch.Tensor, ReadoutFunction, Callable[[torch.Tensor], torch.T
 
 @dataclass
 class Explanation:
-    """The OMENN explanation of one read-out of the logits (or T of them), for a batch of images.
+    """The OMENN explanation of one read-out of the logits (or T of them), for a batch of inputs.
 
-    Shapes are given for one read-out per image; with T read-outs
-    (:meth:`Explainer.explain_targets`) every field but ``logits`` gains a dimension T
-    after the batch: ``contribution`` (B, T, H, W), ``weight`` (B, T, C, H, W), ...
+    Shapes are given for images (B, C, H, W), whose feature axis is C; an input of any
+    other layout gives ``weight`` its own shape and ``contribution`` and ``bias`` its shape
+    without the feature axis (all of it where there is none: ``feature_dim=None``). With T
+    read-outs (:meth:`Explainer.explain_targets`) every field but ``logits`` gains a
+    dimension T after the batch: ``contribution`` (B, T, H, W), ``weight`` (B, T, C, H, W), ...
 
     Attributes:
         contribution: ``C`` (B, H, W) = ``Σ_c C_w ⊙ X + C_b``; sums to ``logit`` per image.
@@ -60,16 +62,26 @@ class Explanation:
 
     def completeness_error(self) -> torch.Tensor:
         """Per explained read-out, ``|Σ C − ŷ| / |ŷ|``: how far the explanation is from summing to it."""
-        total = self.contribution.sum((-2, -1))
+        total = self.contribution.reshape(*self.logit.shape, -1).sum(-1)
         return (total - self.logit).abs() / self.logit.abs().clamp_min(torch.finfo(self.logit.dtype).tiny)
+
+
+def _feature_axis(feature_dim: int | None, x: torch.Tensor) -> int | None:
+    """``feature_dim`` as a non-negative axis of ``x`` (None stays None)."""
+    if feature_dim is None:
+        return None
+    if not -x.dim() <= feature_dim < x.dim() or feature_dim % x.dim() == 0:
+        raise InputError(f"feature_dim={feature_dim} is not an axis after the batch of an input of shape "
+                         f"{tuple(x.shape)}")
+    return feature_dim % x.dim()
 
 
 def _check_input(x: object, model: torch.nn.Module) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise InputTypeError(f"the input must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 4:
-        raise InputError(f"the input must be an image batch of shape (B, C, H, W); got {x.dim()} "
-                         f"dimensions, shape {tuple(x.shape)}")
+    if x.dim() < 2:
+        raise InputError(f"the input must be a batch (B, ...) with at least one dimension after the batch; "
+                         f"got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise InputTypeError(f"the input must be a floating-point tensor; got dtype {x.dtype}")
     if x.shape[0] == 0:
@@ -227,7 +239,8 @@ class Explainer:
     with ``create_graph`` (it runs the custom ops outside the lock).
 
     Args:
-        model: any ``nn.Module`` whose forward maps one (B, C, H, W) tensor to (B, K) logits.
+        model: any ``nn.Module`` whose forward maps one tensor (B, ...) to (B, K) logits,
+            alone or inside a tuple, list, dict or Hugging Face ``ModelOutput``.
         backend: ``"reference"`` (plain PyTorch autograd, the oracle), ``"fused"`` (one ones
             value per pixel, fused ops), ``"compiled"`` (the fused explanation traced once per
             input and target signature into one graph and compiled with Inductor; the
@@ -236,6 +249,17 @@ class Explainer:
             backend the committed benchmarks show fastest for the input's device type,
             ``"fused"`` on the CPU and ``"reference"`` on CUDA (see
             :func:`omenn_kernels.backends.resolve`).
+        output: which tensor of the model's output holds the logits: None (default) for
+            the output itself, the first element of a tuple or list, or the ``"logits"``
+            entry of a dict or ``ModelOutput``; an index or a key (``output=1``,
+            ``output="aux_logits"``); or a function of the output that returns (B, K)
+            logits, traced with the model (``output=lambda out: out.logits[:, -1]``).
+        feature_dim: the input's feature axis: each position (pixel, time step, token)
+            has one ones value shared by its features, and ``contribution`` and ``bias``
+            sum over this axis. 1 (default) for images (B, C, H, W), audio (B, C, T),
+            video (B, C, T, H, W) and tables (B, F) (one position per row); -1 for
+            token embeddings (B, T, D); None for no feature axis: every element is a
+            position of its own (a table's features, each with its share of the biases).
 
     Example:
         >>> explainer = Explainer(model)
@@ -243,11 +267,16 @@ class Explainer:
         >>> e.contribution.sum((1, 2))  # == e.logit
     """
 
-    def __init__(self, model: torch.nn.Module, *, backend: str = "auto") -> None:
+    def __init__(self, model: torch.nn.Module, *, backend: str = "auto", output: OutputSelector = None,
+                 feature_dim: int | None = 1) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.backend = backend
+        self.output = checked_selector(output)
+        if feature_dim is not None and (isinstance(feature_dim, bool) or not isinstance(feature_dim, int)):
+            raise TypeError(f"feature_dim must be an int or None, got {type(feature_dim).__name__}")
+        self.feature_dim = feature_dim
         self._run = backends.resolve(backend)
         # Per (input shape, dtype, device); a program that serves a range of batch sizes has
         # the shape (None, C, H, W) and the range after the device.
@@ -269,13 +298,14 @@ class Explainer:
             cached = self._cached_program(x)
             if cached is not None:
                 return cached
-            captured = capture(self.model, x)
+            captured = capture(self.model, x, self.output)
             program = linearize(captured)
+            program.feature_dim = _feature_axis(self.feature_dim, x)
             output = next(n for n in captured.graph.nodes if n.name == captured.output_name)
             shape = (x.shape[0], *output.meta["val"].shape[1:]) if output.meta["val"].dim() else ()
             if len(shape) != 2:
                 raise InputError(f"the model's output has shape {shape}; explain needs (batch, "
-                                 "num_classes) logits")
+                                 "num_classes) logits (output= selects them from another output)")
             # A program that serves a range of batch sizes is kept under the shape (None, C, H, W).
             key = (tuple(x.shape), x.dtype, x.device) if captured.batch_range is None else \
                 ((None, *x.shape[1:]), x.dtype, x.device, captured.batch_range)
@@ -305,7 +335,8 @@ class Explainer:
         """Explain ``target`` for the batch ``x``.
 
         Args:
-            x: (B, C, H, W) floating-point images on the model's device and dtype.
+            x: (B, C, H, W) floating-point images, or a batch of another layout (see
+                ``feature_dim``), on the model's device and dtype.
             target: an int class, (B,) integer classes, (K,) or (B, K) read-out weights
                 (e.g. ``e_a − e_b`` for a contrastive explanation), or None for each
                 image's predicted class.
@@ -333,7 +364,8 @@ class Explainer:
         """Explain T read-outs per image with one forward pass (and one backward per read-out).
 
         Args:
-            x: (B, C, H, W) floating-point images on the model's device and dtype.
+            x: (B, C, H, W) floating-point images, or a batch of another layout (see
+                ``feature_dim``), on the model's device and dtype.
             readouts: (B, T, K) read-out weights (a one-hot row explains one class,
                 ``e_a − e_b`` the contrast of two), or a function that maps the detached
                 logits (B, K) of the shared forward to such weights, for targets that
@@ -359,10 +391,11 @@ class Explainer:
         """The explanation of ``checked_target(batch, classes, device)``, a backend target.
 
         One or T read-outs per image: ``C_w`` is (B, C, H, W) or (B, T, C, H, W), and ``C``
-        sums it with ``X`` over the channels (dim -3) either way.
+        sums it with ``X`` over the feature axis either way.
         """
         parameter_gradient = _parameter_gradient(create_graph, parameter_gradient)
         x = _check_input(x, self.model)
+        feature = _feature_axis(self.feature_dim, x)
         finite = _Finiteness(x)
         # Explaining needs autograd, also when called under inference_mode.
         with torch.inference_mode(False):
@@ -381,31 +414,39 @@ class Explainer:
             weight, bias, logit, explained, logits = self._run(program, self.model, x, target,
                                                                parameter_gradient)
             finite.require()
-            per_readout = x.reshape(x.shape[0], *([1] * (weight.dim() - x.dim())), *x.shape[1:])
-            contribution = (weight * per_readout).sum(-3) + bias
+            readouts = weight.dim() - x.dim()  # 1 with T read-outs
+            weighted = weight * x.reshape(x.shape[0], *([1] * readouts), *x.shape[1:])
+            contribution = (weighted if feature is None else weighted.sum(feature + readouts)) + bias
         return _kept(Explanation(contribution, weight, bias, logit, explained, logits), create_graph)
 
     def attribute(self, inputs: torch.Tensor, target: Target = None) -> torch.Tensor:
-        """Captum-style attributions (B, C, H, W): ``C_w ⊙ X + C_b / C`` per channel.
+        """Captum-style attributions of the input's shape: ``C_w ⊙ X + C_b / C`` per channel.
 
-        The bias part is spread evenly over the channels, so the attributions of an image
-        still sum to its explained logit.
+        The bias part is spread evenly over the feature axis (the channels of an image), so
+        the attributions of an input still sum to its explained logit.
         """
         e = self(inputs, target)
-        return e.weight * inputs + e.bias.unsqueeze(1) / inputs.shape[1]
+        feature = _feature_axis(self.feature_dim, inputs)
+        if feature is None:
+            return e.weight * inputs + e.bias
+        return e.weight * inputs + e.bias.unsqueeze(feature) / inputs.shape[feature]
 
 
 def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
             backend: str = "auto", create_graph: bool = False,
-            parameter_gradient: ParameterGradient = "total") -> Explanation:
+            parameter_gradient: ParameterGradient = "total", output: OutputSelector = None,
+            feature_dim: int | None = 1) -> Explanation:
     """Explain ``model`` on ``x`` for ``target`` with OMENN (one capture, one forward, one backward).
 
     Args:
-        model: any ``nn.Module`` mapping a (B, C, H, W) tensor to (B, K) logits.
-        x: (B, C, H, W) floating-point images on the model's device and dtype.
+        model: any ``nn.Module`` mapping a (B, C, H, W) tensor (or a batch of another
+            layout, see ``feature_dim``) to (B, K) logits.
+        x: the batch, floating-point, on the model's device and dtype.
         target: an int class, (B,) integer classes, (K,) or (B, K) read-out weights, or
             None for each image's predicted class.
         backend: ``"reference"``, ``"fused"``, ``"compiled"`` or ``"auto"`` (see :class:`Explainer`).
+        output: which tensor of the model's output holds the logits (see :class:`Explainer`).
+        feature_dim: the input's feature axis (see :class:`Explainer`).
         create_graph, parameter_gradient: an explanation differentiable with respect to
             the model's parameters (see :meth:`Explainer.__call__`). Training loops
             should keep one :class:`Explainer` (or use :func:`explainer_for`), which
@@ -418,28 +459,31 @@ def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
         InputError, InputTypeError: a malformed input, or one the model's own forward
         fails on. TargetError: a target that does not fit the model's output.
         UnsupportedOpError: an operation with no rule. CaptureError: a forward
-        torch.export cannot capture.
+        torch.export cannot capture. OutputError: ``output`` picks no tensor of the
+        model's output.
     """
-    return Explainer(model, backend=backend)(x, target, create_graph=create_graph,
-                                             parameter_gradient=parameter_gradient)
+    return Explainer(model, backend=backend, output=output, feature_dim=feature_dim)(
+        x, target, create_graph=create_graph, parameter_gradient=parameter_gradient)
 
 
-_EXPLAINERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, Explainer]]" = \
+_EXPLAINERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Explainer]]" = \
     weakref.WeakKeyDictionary()
 _EXPLAINERS_LOCK = threading.Lock()
 
 
-def explainer_for(model: torch.nn.Module, backend: str = "auto") -> Explainer:
-    """The :class:`Explainer` of ``model`` and ``backend`` kept for repeated calls (held weakly).
+def explainer_for(model: torch.nn.Module, backend: str = "auto", output: OutputSelector = None) -> Explainer:
+    """The :class:`Explainer` of ``model``, ``backend`` and ``output`` kept for repeated calls (held weakly).
 
     Code that explains the same model many times (Quantus metrics, attribution losses at
-    every training step) captures it once per input signature this way.
+    every training step) captures it once per input signature this way. A function given
+    as ``output`` is told apart by identity: pass the same function object at every call.
     """
-    with _EXPLAINERS_LOCK:  # one Explainer per model and backend, also when threads ask at once
-        per_backend = _EXPLAINERS.setdefault(model, {})
-        if backend not in per_backend:
-            per_backend[backend] = Explainer(model, backend=backend)
-        return per_backend[backend]
+    key = (backend, checked_selector(output))
+    with _EXPLAINERS_LOCK:  # one Explainer per model, backend and output, also when threads ask at once
+        per_setting = _EXPLAINERS.setdefault(model, {})
+        if key not in per_setting:
+            per_setting[key] = Explainer(model, backend=backend, output=output)
+        return per_setting[key]
 
 
 def _class_labels(targets: object) -> torch.Tensor:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator, Union
 
 import sympy
 import torch
@@ -30,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.utils._sympy.numbers import int_oo
 from torch.nn.modules import module as module_internals
 
-from .errors import CaptureError, InputError
+from .errors import CaptureError, InputError, OutputError
 
 log = logging.getLogger("omenn_kernels.capture")
 
@@ -43,6 +44,86 @@ exporting (a process-wide flag), edits ``torch.fx.traceback``'s process-global n
 metadata without a lock, and an export in another thread fails or corrupts it meanwhile.
 Reentrant, so that a forward (or hook) that explains something while being captured does
 not deadlock."""
+
+
+OutputSelector = Union[int, str, Callable[[Any], torch.Tensor], None]
+"""Which tensor of a forward's output is explained: None (the output itself if it is a
+tensor, the first element of a tuple or list, the ``"logits"`` entry of a dict or a
+Hugging Face ``ModelOutput``), an index, a key or attribute name, or a function of the output."""
+
+
+def checked_selector(selector: object) -> OutputSelector:
+    """``selector`` if it is an :data:`OutputSelector`; a TypeError naming its type if not."""
+    if selector is None or callable(selector) or isinstance(selector, (int, str)) and not isinstance(selector, bool):
+        return selector
+    raise TypeError(f"output must be None, an index, a key or a function of the model's output; got "
+                    f"{type(selector).__name__}")
+
+
+def selected_output(output: Any, selector: OutputSelector) -> torch.Tensor:
+    """The tensor ``selector`` picks from a forward's ``output`` (see :data:`OutputSelector`).
+
+    Raises:
+        OutputError: nothing fits, or what was picked is not a tensor; the message names
+            the output's type (and its keys, for a mapping).
+    """
+    if selector is None:
+        if isinstance(output, torch.Tensor):
+            return output
+        if isinstance(output, (tuple, list)) and output:
+            return _tensor(output[0], output, "its first element")
+        if isinstance(output, Mapping) and "logits" in output:
+            return _tensor(output["logits"], output, "its 'logits' entry")
+        raise OutputError(f"the model returns {_described(output)}, which has no default logits (a tensor, the "
+                          "first element of a tuple or list, or a 'logits' entry); pass output= (an index, a key "
+                          "or a function of the output)")
+    if callable(selector):
+        return _tensor(selector(output), output, f"output={getattr(selector, '__name__', 'function')}(...)")
+    if isinstance(selector, str):
+        if isinstance(output, Mapping) and selector in output:
+            return _tensor(output[selector], output, f"output={selector!r}")
+        if not isinstance(output, Mapping) and hasattr(output, selector):
+            return _tensor(getattr(output, selector), output, f"output={selector!r}")
+        raise OutputError(f"output={selector!r} is not a key of the model's output, {_described(output)}")
+    if isinstance(output, Mapping):
+        output = tuple(output.values())  # a ModelOutput's positions: its entries that are set, in order
+    if isinstance(output, (tuple, list)) and -len(output) <= selector < len(output):
+        return _tensor(output[selector], output, f"output={selector}")
+    raise OutputError(f"output={selector} is not an index of the model's output, {_described(output)}")
+
+
+def _tensor(picked: Any, output: Any, what: str) -> torch.Tensor:
+    if not isinstance(picked, torch.Tensor):
+        raise OutputError(f"{what} of the model's output ({_described(output)}) is a {type(picked).__name__}, "
+                          "not a tensor of logits")
+    return picked
+
+
+def _described(output: Any) -> str:
+    """The output's type, and its keys or length, for error messages."""
+    name = type(output).__name__
+    if isinstance(output, Mapping):
+        return f"a {name} with keys {list(output.keys())}"
+    if isinstance(output, (tuple, list)):
+        return f"a {name} of {len(output)} elements"
+    return f"a {name}"
+
+
+class _SelectedOutput(torch.nn.Module):
+    """``model`` whose forward returns the one tensor ``selector`` picks from its output, so that
+    export traces the pick and the captured graph has one output. The model is the child
+    ``model``: :data:`_PREFIX` is taken off the parameters' names and the module paths."""
+
+    def __init__(self, model: torch.nn.Module, selector: OutputSelector) -> None:
+        super().__init__()
+        self.model = model
+        self.selector = checked_selector(selector)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return selected_output(self.model(x), self.selector)
+
+
+_PREFIX = "model."
 
 
 @dataclass
@@ -78,8 +159,9 @@ def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
             module.training = flag
 
 
-def capture(model: torch.nn.Module, example: torch.Tensor) -> CapturedModel:
-    """Capture ``model(example)`` with ``torch.export`` (non-strict) in eval semantics.
+def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelector = None) -> CapturedModel:
+    """Capture ``model(example)`` with ``torch.export`` (non-strict) in eval semantics, the output
+    tensor that ``output`` selects (:func:`selected_output`) as the graph's one output.
 
     Where ``example`` holds at least two samples, the batch dimension is exported as
     symbolic (``Dim.AUTO``), so that one capture serves every batch size of at least 2;
@@ -92,21 +174,23 @@ def capture(model: torch.nn.Module, example: torch.Tensor) -> CapturedModel:
     Raises:
         InputError: export failed, and so does the model's own forward on ``example``
             (e.g. an image with the wrong number of channels).
-        CaptureError: the forward cannot be exported, takes other inputs, or does not
-            return a single tensor.
+        OutputError: ``output`` picks no tensor from the model's output.
+        CaptureError: the forward cannot be exported, takes other inputs, or mutates buffers.
     """
     with CAPTURE_LOCK:
         try:
             with eval_semantics(model):
-                program = _export(model, example)
+                program = _export(_SelectedOutput(model, output), example)
             program = program.run_decompositions({})  # functional ops, eval-mode norms
+        except OutputError:
+            raise
         except Exception as error:  # export raises many unrelated types; report them as one
             _check_forward_runs(model, example)
             raise CaptureError(
                 f"torch.export could not capture {type(model).__name__}.forward on an input of shape "
                 f"{tuple(example.shape)} ({type(error).__name__}: {error}). OMENN needs a forward that "
-                "torch.export can trace: one tensor in, one tensor out, no data-dependent Python "
-                "control flow on tensor values."
+                "torch.export can trace: one tensor in, no data-dependent Python control flow on "
+                "tensor values."
             ) from error
 
     signature = program.graph_signature
@@ -116,14 +200,14 @@ def capture(model: torch.nn.Module, example: torch.Tensor) -> CapturedModel:
     if len(user_inputs) != 1:
         raise CaptureError(f"the captured forward takes {len(user_inputs)} tensor inputs; "
                            "explain needs exactly one (the image batch)")
-    if len(outputs) != 1 or mutations:
-        raise CaptureError(
-            f"the captured forward returns {len(outputs)} outputs and mutates {len(mutations)} "
-            "buffers; explain needs exactly one output tensor (the logits) and no state changes")
+    if mutations:
+        raise CaptureError(f"the captured forward mutates {len(mutations)} buffers; explain needs a forward "
+                           "without state changes")
     if not hasattr(outputs[0].arg, "name"):
         raise CaptureError("the model's output is not a tensor computed by its forward")
     bindings = {
-        spec.arg.name: (spec.kind, spec.target)
+        spec.arg.name: (spec.kind, spec.target.removeprefix(_PREFIX)
+                        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) else spec.target)
         for spec in signature.input_specs
         if spec.kind != InputKind.USER_INPUT
     }
@@ -168,7 +252,7 @@ def _check_forward_runs(model: torch.nn.Module, example: torch.Tensor) -> None:
     except Exception as error:  # whatever the model raises, it is the model's own failure
         raise InputError(
             f"the model's own forward fails on an input of shape {tuple(example.shape)} "
-            f"({type(error).__name__}: {error}); check the image size, channels and dtype it expects"
+            f"({type(error).__name__}: {error}); check the input shape (image size, channels) and dtype it expects"
         ) from error
 
 
@@ -364,5 +448,5 @@ def module_path(node: torch.fx.Node) -> str:
     paths = [path for path, _ in stack.values() if not path.startswith("_empty_nn_module_stack")]
     if not paths:
         return ""
-    path = paths[-1]
-    return path.replace("L['self'].", "").replace("L['self']", "")
+    path = paths[-1].replace("L['self'].", "").replace("L['self']", "")
+    return "" if path == _PREFIX.rstrip(".") else path.removeprefix(_PREFIX)

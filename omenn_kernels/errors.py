@@ -39,6 +39,10 @@ class TargetError(OmennError, ValueError):
     """The target (class index, indices or read-out weights) does not fit the model's output."""
 
 
+class OutputError(CaptureError):
+    """The model's output holds no tensor that the output selector picks as the explained logits."""
+
+
 class InputTypeError(OmennError, TypeError):
     """The input is not a floating-point tensor of the model's dtype."""
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .api import Explanation, Target, explainer_for
+from .capture import OutputSelector
 from .backends.executor import ParameterGradient
 from .errors import InputError, OptionError, TargetError
 
@@ -122,7 +123,8 @@ def _checked_stored_maps(maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 def _matched(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Tensor, x: torch.Tensor,
              target: Target, distance: Distance, component: Component, backend: str,
-             reference_backend: str, parameter_gradient: ParameterGradient) -> AttributionLoss:
+             reference_backend: str, parameter_gradient: ParameterGradient,
+             output: OutputSelector) -> AttributionLoss:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(reference_model, (torch.nn.Module, torch.Tensor)):
@@ -138,10 +140,10 @@ def _matched(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Te
             raise TargetError("stored reference maps need the target they explain; pass target")
         reference, reference_maps = None, _checked_stored_maps(reference_model.detach(), x)
     else:
-        reference = explainer_for(reference_model, reference_backend)(x, target)
+        reference = explainer_for(reference_model, reference_backend, output)(x, target)
         target, reference_maps = reference.target, attribution_map(reference, x, component)
-    explanation = explainer_for(model, backend)(x, target, create_graph=True,
-                                                parameter_gradient=parameter_gradient)
+    explanation = explainer_for(model, backend, output)(x, target, create_graph=True,
+                                                        parameter_gradient=parameter_gradient)
     loss = map_distance(attribution_map(explanation, x, component), reference_maps, distance)
     return AttributionLoss(loss, explanation.logits, explanation, reference)
 
@@ -150,7 +152,8 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module 
                              target: Target = None, *, distance: Distance = "cosine",
                              component: Component = "contribution", backend: str = "auto",
                              teacher_backend: str = "auto",
-                             parameter_gradient: ParameterGradient = "total") -> AttributionLoss:
+                             parameter_gradient: ParameterGradient = "total",
+                             output: OutputSelector = None) -> AttributionLoss:
     """How far the student's OMENN explanations are from its teacher's, as a training loss.
 
     Args:
@@ -170,6 +173,8 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module 
             fused kernels (``"auto"``) apply.
         parameter_gradient: ``"total"`` or ``"fixed_multipliers"`` (see
             :meth:`~omenn_kernels.api.Explainer.__call__`).
+        output: which tensor of both models' outputs holds the logits (see
+            :class:`~omenn_kernels.api.Explainer`).
 
     Returns:
         An :class:`AttributionLoss`; its ``loss`` is differentiable with respect to the
@@ -185,7 +190,7 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module 
         The errors of :func:`~omenn_kernels.explain` for inputs and targets.
     """
     return _matched(student, teacher, x, target, distance, component, backend, teacher_backend,
-                    parameter_gradient)
+                    parameter_gradient, output)
 
 
 def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Tensor,
@@ -193,7 +198,8 @@ def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Mo
                             target: Target = None, *, distance: Distance = "mse",
                             component: Component = "contribution", backend: str = "auto",
                             reference_backend: str = "auto",
-                            parameter_gradient: ParameterGradient = "total") -> AttributionLoss:
+                            parameter_gradient: ParameterGradient = "total",
+                            output: OutputSelector = None) -> AttributionLoss:
     """How far ``model``'s explanations have moved from a frozen copy's (continual learning).
 
     Take ``reference_model = copy.deepcopy(model)`` before training on a new task and add
@@ -208,7 +214,7 @@ def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Mo
         x: (B, C, H, W) images of the old tasks.
         target: as in :func:`attribution_distillation`; None: the reference model's
             predicted class.
-        distance, component, backend, parameter_gradient: as in
+        distance, component, backend, parameter_gradient, output: as in
             :func:`attribution_distillation`.
         reference_backend: the reference model's backend (``"auto"``: the fused kernels).
 
@@ -216,4 +222,4 @@ def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Mo
         An :class:`AttributionLoss` (see :func:`attribution_distillation`).
     """
     return _matched(model, reference_model, x, target, distance, component, backend,
-                    reference_backend, parameter_gradient)
+                    reference_backend, parameter_gradient, output)

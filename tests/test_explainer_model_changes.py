@@ -60,9 +60,9 @@ def captures(monkeypatch) -> list[tuple[int, ...]]:
     """The input shapes of the captures the Explainers make during the test."""
     calls: list[tuple[int, ...]] = []
 
-    def counting(model, example):
+    def counting(model, example, output=None):
         calls.append(tuple(example.shape))
-        return real_capture(model, example)
+        return real_capture(model, example, output)
 
     monkeypatch.setattr(api, "capture", counting)
     return calls

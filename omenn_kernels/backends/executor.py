@@ -90,8 +90,9 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     env: dict[str, object] = bound_tensors(captured, model, differentiable=parameter_gradient is not None)
     track_held = parameter_gradient == "total" and program.multipliers_follow_held
     env[captured.input_name] = Live(x, ones, x.detach() if track_held else None)
-    ones_shape = tuple(ones.shape)
-    with ones_checks(verified=ones_shape in program.ones_verified) as checks:
+    # The rules a forward runs, so the biases it meets, differ with the parameter gradient.
+    ones_key = (tuple(ones.shape), parameter_gradient)
+    with ones_checks(program.ones_decided.get(ones_key)) as checks:
         for step in program.steps:
             node = step.node
             args = _lookup_env(env, node.args)
@@ -110,7 +111,7 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                 if track_held and not _has_held(env[node.name]):
                     _attach_held(env[node.name], node.target(*plain(args), **plain(kwargs)))
     if checks.shape_decided:
-        program.ones_verified.add(ones_shape)
+        program.ones_decided[ones_key] = tuple(checks.fills)
     output = env[captured.output_name]
     if not isinstance(output, Live):
         producer = next((s for s in program.steps if s.node.name == captured.output_name), None)
@@ -163,14 +164,15 @@ def _model_logits(output: Live, parameter_gradient: ParameterGradient | None) ->
 
 
 def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                 target, ones_channels: int, implementation: Implementation,
+                 target, shared_ones: bool, implementation: Implementation,
                  parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
     """``(C_w, C_b, ŷ, target, logits)`` for the read-out ``ŷ`` of ``target`` (see :func:`read_out`).
 
-    The input's ones channel has ``ones_channels`` channels: C (one per element) or 1
-    (one per pixel); ``C_b`` is its gradient summed over them. With T read-outs per
-    image (``ŷ`` of shape (B, T)) the forward runs once and the backward once per
-    read-out: ``C_w`` is (B, T, C, H, W) and ``C_b`` (B, T, H, W).
+    The input's ones channel has one entry per element, or with ``shared_ones`` one per
+    position (shared along the feature axis, ``program.feature_dim``); ``C_b`` is its
+    gradient summed over the feature axis: (B, H, W) for images (B, C, H, W). With T
+    read-outs per image (``ŷ`` of shape (B, T)) the forward runs once and the backward
+    once per read-out: ``C_w`` is (B, T, C, H, W) and ``C_b`` (B, T, H, W).
 
     With ``parameter_gradient`` (see the module's docstring) ``C_w`` and ``C_b`` are
     differentiable with respect to the model's parameters; so are ``ŷ`` and ``logits``
@@ -180,22 +182,31 @@ def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Te
     keep_graph = parameter_gradient is not None
     with torch.inference_mode(False), torch.enable_grad():
         inputs = x.detach().clone().requires_grad_(True)
-        ones = x.new_ones(x.shape[0], ones_channels, *x.shape[2:]).requires_grad_(True)
+        feature = program.feature_dim
+        ones_shape = list(x.shape)
+        if shared_ones and feature is not None:
+            ones_shape[feature] = 1
+        ones = x.new_ones(ones_shape).requires_grad_(True)
         output = forward(program, model, inputs, ones, implementation, parameter_gradient)
         linear_readout, target = read_out(output.value, target)
         if linear_readout.dim() == 1:
             weight, ones_grad = _gradients(linear_readout.sum(), inputs, ones, keep_graph, keep_graph)
-            bias = ones_grad.sum(1)
+            bias = _per_position(ones_grad, feature)
         else:
             count = linear_readout.shape[1]
             per_readout = [_gradients(linear_readout[:, t].sum(), inputs, ones,
                                       keep_graph or t + 1 < count, keep_graph)
                            for t in range(count)]
             weight = torch.stack([w for w, _ in per_readout], 1)
-            bias = torch.stack([o.sum(1) for _, o in per_readout], 1)
+            bias = torch.stack([_per_position(o, feature) for _, o in per_readout], 1)
         logits = _model_logits(output, parameter_gradient)
         explained, _ = read_out(logits, target)
     return weight, bias, explained, target, logits
+
+
+def _per_position(ones_grad: torch.Tensor, feature: int | None) -> torch.Tensor:
+    """``C_b``: the ones' gradient summed over the feature axis (kept where there is none)."""
+    return ones_grad if feature is None else ones_grad.sum(feature)
 
 
 def _gradients(readout: torch.Tensor, inputs: torch.Tensor, ones: torch.Tensor,

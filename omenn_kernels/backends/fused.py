@@ -1,4 +1,4 @@
-"""The fused backend: one ones value per pixel, and fused ops for the hot rules.
+"""The fused backend: one ones value per position (pixel, token), and fused ops for the hot rules.
 
 Rules with a fused op (detached activation multipliers, convolution bias spreading,
 attention with the ones channel) run it; the others run their reference math on
@@ -37,7 +37,7 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
 def _explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                    target, parameter_gradient: ParameterGradient | None) -> tuple[torch.Tensor, ...]:
     if parameter_gradient is None:
-        return explain_with(program, model, x, target, 1, lambda rule: rule.fused or rule.reference)
+        return explain_with(program, model, x, target, True, lambda rule: rule.fused or rule.reference)
     once_only = sorted({step.rule.name for step in program.steps
                         if step.kind is Kind.LIVE and step.rule.fused is not None
                         and not step.rule.fused_differentiable and x.device.type in step.rule.fused_devices})
@@ -52,4 +52,4 @@ def _explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.
         if rule.fused is not None and rule.fused_differentiable:
             return functools.partial(rule.fused, value_gradient=value_gradient)
         return rule.reference
-    return explain_with(program, model, x, target, 1, implementation, parameter_gradient)
+    return explain_with(program, model, x, target, True, implementation, parameter_gradient)

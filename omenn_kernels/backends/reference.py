@@ -17,5 +17,4 @@ from .executor import ParameterGradient, explain_with
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                   target, parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
     """``(C_w, C_b, ŷ, target, logits)`` with full-shape ones and reference rules."""
-    return explain_with(program, model, x, target, x.shape[1], lambda rule: rule.reference,
-                        parameter_gradient)
+    return explain_with(program, model, x, target, False, lambda rule: rule.reference, parameter_gradient)

@@ -48,11 +48,15 @@ class LinearizedProgram:
 
     captured: CapturedModel
     steps: list[Step]
-    # Shapes of the input's ones on which a forward passed every ones check with the checks
-    # decided by shapes alone (linearize.values.OnesChecks): later forwards skip them.
-    ones_verified: set[tuple[int, ...]] = field(default_factory=set)
+    # Per shape of the input's ones (and parameter gradient), what a forward found at each bias
+    # with the checks decided by shapes alone (linearize.values.OnesChecks): later forwards
+    # replay it without reading the ones.
+    ones_decided: dict[tuple, tuple[bool, ...]] = field(default_factory=dict)
     # The compiled backend's explanations of this program per signature (backends.compiled.CompiledExplanation).
     compiled: dict[tuple, object] = field(default_factory=dict)
+    # The input's feature axis (a non-negative index): its ones channel is shared along it, and the
+    # explanation sums over it. None: every element of the input is a position with ones of its own.
+    feature_dim: int | None = 1
 
     def __str__(self) -> str:
         """The program as a table: one line per node with its kind, rule and module path."""
@@ -136,13 +140,17 @@ def linearize(captured: CapturedModel) -> LinearizedProgram:
         if rule is not None and rule.may_gate and (not rule.live or _only_multiplies(node, dependent)):
             gates.add(node)
 
-    # What only feeds gates (or gate arguments such as attention's Q and K) is a gate too.
-    feeds_gates: set[torch.fx.Node] = set()
-    for node in reversed(nodes):
-        if node not in dependent or node in gates or node.op != "call_function":
-            continue
-        if node.users and all(_feeds_gate(user, node, gates, feeds_gates) for user in node.users):
-            feeds_gates.add(node)
+    # R5': held multipliers (RMS-style normalizers, gated MLPs' activations) are gates where
+    # each use ends as a factor of an input-dependent tensor that is no gate; a product of two
+    # would-be multipliers keeps neither (R9).
+    feeds_gates = _feeding(nodes, dependent, gates)
+    partners = {node: _factor_partners(node, dependent) for node in nodes
+                if node in dependent and node not in gates | feeds_gates and _is_multiplier(node, dependent)}
+    candidates = {node for node, found in partners.items() if found is not None and not found & (gates | feeds_gates)}
+    held_multipliers = {node for node in candidates if not partners[node] & candidates}
+    if held_multipliers:
+        gates |= held_multipliers
+        feeds_gates = _feeding(nodes, dependent, gates)
 
     steps: list[Step] = []
     live: set[torch.fx.Node] = set()
@@ -160,6 +168,11 @@ def linearize(captured: CapturedModel) -> LinearizedProgram:
             if rule is None:
                 raise unsupported(node.target, path, "this operation depends on the input and has no "
                                   "OMENN rule")
+            if rule.reference is None:
+                raise unsupported(node.target, path, "it is not linear in its input-dependent operand, and its "
+                                  "result is used other than as a factor of another input-dependent tensor "
+                                  "(where it would be held as a multiplier)",
+                                  f"{rule.name} (only as a factor of another input-dependent tensor)")
             live.add(node)
             steps.append(Step(node, Kind.LIVE, rule, path))
     without_gradient = {step.node for step in steps if step.kind is not Kind.LIVE}
@@ -167,6 +180,49 @@ def linearize(captured: CapturedModel) -> LinearizedProgram:
         if step.kind is Kind.LIVE and step.rule.receiving:
             step.receiving = receiving_block(step.node, without_gradient)
     return LinearizedProgram(captured, steps)
+
+
+def _feeding(nodes: list[torch.fx.Node], dependent: set[torch.fx.Node],
+             gates: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """What only feeds gates (or gate arguments such as attention's Q and K): a gate too."""
+    feeds_gates: set[torch.fx.Node] = set()
+    for node in reversed(nodes):
+        if node not in dependent or node in gates or node.op != "call_function":
+            continue
+        if node.users and all(_feeds_gate(user, node, gates, feeds_gates) for user in node.users):
+            feeds_gates.add(node)
+    return feeds_gates
+
+
+def _is_multiplier(node: torch.fx.Node, dependent: set[torch.fx.Node]) -> bool:
+    """Whether ``node`` is non-linear in an input-dependent operand (``Rule.multiplier_args``)."""
+    rule = lookup(node.target) if node.op == "call_function" else None
+    if rule is None or not rule.multiplier_args:
+        return False
+    return any(_positions(node, operand) & set(rule.multiplier_args)
+               for operand in _inputs(node) if operand in dependent)
+
+
+def _factor_partners(node: torch.fx.Node, dependent: set[torch.fx.Node]) -> set[torch.fx.Node] | None:
+    """The other input-dependent factors of the products in which every use of ``node`` ends, or
+    None where a use ends otherwise. Uses are followed through operations whose only
+    input-dependent operand is ``node``."""
+    partners: set[torch.fx.Node] = set()
+    for user in node.users:
+        if user.op != "call_function":
+            return None
+        rule = lookup(user.target)
+        others = {n for n in _inputs(user) if n in dependent and n is not node}
+        if not others:
+            found = _factor_partners(user, dependent)
+            if found is None:
+                return None
+            partners |= found
+        elif rule is not None and _positions(user, node) <= set(rule.factor_args):
+            partners |= others
+        else:
+            return None
+    return partners
 
 
 def _feeds_gate(user: torch.fx.Node, node: torch.fx.Node, gates: set, feeds_gates: set) -> bool:

@@ -24,7 +24,8 @@ class Rule:
     Attributes:
         name: the rule book's entry, e.g. ``"R2 convolution"``.
         reference: ``reference(op, *args, **kwargs)``; arguments are Live, Gate or
-            CONST values, the result is Live (or a tuple/list containing Live).
+            CONST values, the result is Live (or a tuple/list containing Live). None:
+            the operation has no linear form, only a held multiplier's (``multiplier_args``).
         fused: the same contract, running a fused ``torch.ops.omenn`` op where it
             applies (declared next to the reference in the rule's module); None when
             the reference math is already the fast path.
@@ -43,6 +44,11 @@ class Rule:
             key of attention): what feeds them needs no ones channel.
         may_gate: the operation (softmax, sigmoid) is a gate when every use of its
             result ends in a ``factor_args`` position; it is then held constant.
+        multiplier_args: argument positions where an input-dependent operand makes the
+            operation non-linear (an activation's input, a divisor, the base of a power):
+            with such an operand its result is a held multiplier, a gate (R5'), where
+            every use of it ends as a factor of another input-dependent tensor that is
+            neither a gate nor such a multiplier; the graph walker decides it.
         transparent: structure-only operation (view, permute, ...): a gate passing
             through it is still a gate.
         live: False when the operation has no linear form at all (softmax): a LIVE
@@ -68,6 +74,7 @@ class Rule:
     factor_args: tuple[int, ...] = ()
     gate_args: tuple[int, ...] = ()
     may_gate: bool = False
+    multiplier_args: tuple[int, ...] = ()
     transparent: bool = False
     live: bool = True
     shape_only: bool = False

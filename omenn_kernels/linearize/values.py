@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -92,24 +92,26 @@ class OnesChecks:
     """The state of the ones checks during one forward of a linearized program.
 
     The input's ones are all 1, and most rules compute ones from ones and shapes alone,
-    so where a bias meets a zero (:func:`require_reached`) is the same for every input of
-    one shape. ``verified``: a forward on ones of this shape passed every check with
-    ``shape_decided`` kept, so the checks can be skipped. ``shape_decided``: no rule of
-    this forward made its ones depend on values in a way a later input could change
-    (:func:`ones_from_values`).
+    so where a bias meets a zero (:func:`reached`) is the same for every input of one
+    shape. ``decided``: what a forward on ones of this shape found at each bias, in order
+    (whether :func:`reached` filled padded positions), with ``shape_decided`` kept; a
+    forward given it reads no ones. ``shape_decided``: no rule of this forward made its
+    ones depend on values in a way a later input could change (:func:`ones_from_values`).
+    ``fills``: what this forward found (or replayed) at each bias.
     """
 
-    verified: bool
+    decided: tuple[bool, ...] | None
     shape_decided: bool = True
+    fills: list[bool] = field(default_factory=list)
 
 
 _ONES_CHECKS: ContextVar[OnesChecks | None] = ContextVar("omenn_ones_checks", default=None)
 
 
 @contextlib.contextmanager
-def ones_checks(verified: bool) -> Iterator[OnesChecks]:
+def ones_checks(decided: tuple[bool, ...] | None) -> Iterator[OnesChecks]:
     """The checks of one forward (see :class:`OnesChecks`); outside one, every check runs."""
-    checks = OnesChecks(verified)
+    checks = OnesChecks(decided)
     token = _ONES_CHECKS.set(checks)
     try:
         yield checks
@@ -117,24 +119,35 @@ def ones_checks(verified: bool) -> Iterator[OnesChecks]:
         _ONES_CHECKS.reset(token)
 
 
-def require_reached(ones: torch.Tensor) -> None:
-    """Refuse a bias added where the ones are 0: positions only zero padding reaches.
+def reached(ones: torch.Tensor) -> torch.Tensor:
+    """The ones that carry a bias added over ``ones``: ``ones`` itself where none is 0.
 
-    The rule book gives padding no ones channel (R11); a bias added there could not be
-    attributed to any pixel, and the explanation would silently miss it. Skipped (no
-    read of the ones, no device sync) where a forward on ones of the same shape passed.
+    R11': positions that only padding reaches have no ones of their own (R11); a bias added
+    there is carried by the per-sample mean of the ones over the sample's real (non-zero)
+    positions, so that its share is spread evenly over the sample. Returns ``ones`` itself
+    (the same object) where there is nothing to fill. Reads the ones (a device sync) only
+    where no forward on ones of the same shape decided it before (:class:`OnesChecks`).
     """
     checks = _ONES_CHECKS.get()
-    if checks is not None and checks.verified:
-        return
-    if bool((ones == 0).any()):
-        from .registry import RuleError
+    if checks is not None and checks.decided is not None:
+        fill = checks.decided[len(checks.fills)]
+    else:
+        real = ones != 0
+        fill = not bool(real.all())
+        if fill and not bool(real.flatten(1).any(1).all()):
+            from .registry import RuleError
 
-        raise RuleError(
-            "a bias is added at positions that only zero padding reaches (R11 gives padding no "
-            "ones channel), so it cannot be attributed to any pixel and the explanation would not "
-            "sum to the logit; use an input size that needs no padding before this layer",
-            "a bias rule for padded positions (not in the rule book)")
+            raise RuleError("a bias is added to a sample none of whose positions is real (all are padding), "
+                            "so it cannot be attributed to any position",
+                            "R11' (a bias over padding needs real positions)")
+    if checks is not None:
+        checks.fills.append(fill)
+    if not fill:
+        return ones
+    real = ones != 0
+    count = real.flatten(1).sum(1).to(ones.dtype)
+    mean = (ones.flatten(1).sum(1) / count).view(-1, *([1] * (ones.dim() - 1)))
+    return torch.where(real, ones, mean)
 
 
 def ones_from_values(operand_ones: torch.Tensor | None) -> None:
@@ -146,7 +159,7 @@ def ones_from_values(operand_ones: torch.Tensor | None) -> None:
     zeros can move with the values (weights that may be 0), so every forward checks.
     """
     checks = _ONES_CHECKS.get()
-    if checks is None or checks.verified or not checks.shape_decided:
+    if checks is None or checks.decided is not None or not checks.shape_decided:
         return
     if operand_ones is None or bool((operand_ones == 0).any()):
         checks.shape_decided = False

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from omenn_kernels import UnsupportedOpError, explain
+from omenn_kernels import Explainer, UnsupportedOpError, explain
 from omenn_kernels.linearize import lookup
 from omenn_kernels.linearize.rules import conv as conv_rules
 from omenn_kernels.linearize.rules.conv import convolved, receptive_ones
@@ -223,15 +223,22 @@ def test_conv1d_conv3d_complete(cls):
     assert e.bias.abs().max() > 1e-3  # the biases are really there
 
 
-def test_bias_only_reached_by_padding_is_refused():
-    """A bias at an output position that only zero padding reaches cannot be attributed."""
-    model = _conv_head(nn.Conv2d(2, 2, 1, padding=1), 2 * 6 * 6).double()
-    x = torch.randn(1, 2, 4, 4, dtype=DT)
-    with pytest.raises(UnsupportedOpError) as info:
-        explain(model, x, 0)
-    assert info.value.op == "aten.conv2d.default"
-    assert info.value.module_path == "conv"
-    # Without a bias the same padding is fine.
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_bias_only_reached_by_padding_is_spread_over_the_real_pixels(backend):
+    """R11': a 1×1 convolution with padding 1 adds its bias on a border that sees no pixel;
+    there the bias is carried by the mean of the ones over the 16 real pixels, so each gets
+    1/16 of it; inside, each pixel carries its own output position's bias."""
+    model = randomize(_conv_head(nn.Conv2d(2, 2, 1, padding=1), 2 * 6 * 6), 4, scale=0.5).double()
+    x = torch.randn(2, 2, 4, 4, dtype=DT)
+    explainer = Explainer(model, backend=backend)
+    for _ in range(2):  # the second call replays the first one's decision
+        e = explainer(x, 0)
+        assert_complete(e, model, x, 0, rtol=1e-10)
+        per_position = torch.einsum("c,cyx->yx", model.conv.bias, model.head.weight[0].view(2, 6, 6)).detach()
+        border = per_position.sum() - per_position[1:5, 1:5].sum()
+        expected = per_position[1:5, 1:5] + border / 16
+        torch.testing.assert_close(e.bias, expected.expand(2, 4, 4), rtol=RTOL, atol=ATOL)
+    # Without a bias the same padding needs nothing.
     model = randomize(_conv_head(nn.Conv2d(2, 2, 1, padding=1, bias=False), 2 * 6 * 6), 3, scale=0.5).double()
     e = explain(model, x, 0)
     assert_sums_to_logit(e, model, x, 0, rtol=1e-12)

@@ -155,7 +155,7 @@ class _Outer(nn.Module):
 
 
 @pytest.mark.parametrize("fn,op,kind_words", [
-    (torch.abs, "aten.abs.default", "R4"),
+    (torch.abs, "aten.abs.default", "R5'"),
     (lambda y: torch.cumsum(y, 2), "aten.cumsum.default", "new rule"),
     (lambda y: y.sort(dim=3).values, "aten.sort.default", "new rule"),
 ])

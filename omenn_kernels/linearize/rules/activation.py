@@ -9,7 +9,8 @@ rule runs its reference math instead.
 ``ξ(x) = (f(x) − f(0))/x`` with ``ξ(0) = f'(0)``. Closed forms are used where they
 exist (GELU: Φ(x), SiLU: σ(x), ReLU: 1[x>0], Hardswish: relu6(x+3)/6); every other
 activation uses the quotient. Sigmoid and hard-sigmoid whose result multiplies a
-LIVE tensor are gates (R5), decided by the graph walker from ``may_gate``.
+LIVE tensor are gates (R5), decided by the graph walker from ``may_gate``; so is any
+activation whose every use scales another LIVE tensor (R5', a gated MLP's ``silu``).
 """
 
 from __future__ import annotations
@@ -98,10 +99,11 @@ def _fused_activation(op, *args, value_gradient: bool = False, **kwargs):
 # change with the parameters.
 register([aten.relu, aten.leaky_relu, aten.hardshrink],
          Rule("R4 elementwise activation", _activation, _fused_activation, fused_differentiable=True,
-              held_multipliers=False))
+              held_multipliers=False, multiplier_args=(0,)))
 register([aten.gelu, aten.silu, aten.hardswish, aten.elu, aten.celu, aten.selu, aten.hardtanh,
           aten.relu6, aten.tanh, aten.softplus, aten.mish, aten.softshrink, aten.clamp.default,
           aten.clamp_min.default, aten.clamp_max.default, aten.log_sigmoid],
-         Rule("R4 elementwise activation", _activation, _fused_activation, fused_differentiable=True))
+         Rule("R4 elementwise activation", _activation, _fused_activation, fused_differentiable=True,
+              multiplier_args=(0,)))
 register([aten.sigmoid, aten.hardsigmoid],
          Rule("R4 elementwise activation / R5 gate", _activation, may_gate=True))

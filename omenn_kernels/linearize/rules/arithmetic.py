@@ -4,6 +4,7 @@ R7: ``a + b`` of LIVE tensors: the values add, the ones average.
 R7': LIVE ``a`` plus a CONST ``c``: ``a + c·O_a`` — the ones carry the constant.
 R8: LIVE ``a`` scaled by a CONST or a gate: ``a·c``, ones unchanged.
 R9: a product of two LIVE tensors has no linear form: a clear error.
+R1' for ``addcmul``/``addcdiv`` (``a + v·t₁·t₂``, ``a + v·t₁/t₂``): R7' and R8 in one op.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, require_reached
+from ..values import Gate, Live, reached
 
 aten = torch.ops.aten
 
@@ -31,14 +32,13 @@ def _add(op, *args, **kwargs):
         value = a.value + sign * alpha * b.value
         return Live(value, (a.ones + b.ones) / 2)
     live, const, live_first = (a, b, True) if isinstance(a, Live) else (b, a, False)
-    if not (isinstance(const, (int, float)) and const == 0):
-        require_reached(live.ones)
-    carried = const * live.ones
+    ones = live.ones if isinstance(const, (int, float)) and const == 0 else reached(live.ones)
+    carried = const * ones
     if live_first:
         value = live.value + sign * alpha * carried
     else:
         value = carried + sign * alpha * live.value
-    return Live(value, live.ones)
+    return Live(value, ones)
 
 
 def _rsub(op, *args, **kwargs):
@@ -75,6 +75,20 @@ def _div_rounding(op, *args, **kwargs):
     return _scale(aten.div.Tensor, bound[0], bound[1])
 
 
+def _addcmul(op, *args, **kwargs):
+    """``a + v·t₁·t₂`` (``addcdiv``: ``a + v·t₁/t₂``) with one LIVE term: R7' and R8 in one op."""
+    a, t1, t2, scale = arguments(op, args, kwargs)[:4]
+    divide = op is aten.addcdiv.default
+    if isinstance(t1, Live) or isinstance(t2, Live):
+        product = _scale(aten.div.Tensor if divide else aten.mul.Tensor, t1, t2)
+        product = Live(scale * product.value, product.ones)
+        return _add(aten.add.Tensor, a, product, 1) if isinstance(a, Live) else \
+            _add(aten.add.Tensor, product, a, 1)
+    if isinstance(t1, Gate) or isinstance(t2, Gate):
+        raise _ADDITIVE_GATE
+    return _add(aten.add.Tensor, a, scale * (t1 / t2 if divide else t1 * t2), 1)
+
+
 def _neg(op, a):
     return Live(-a.value, a.ones)
 
@@ -84,7 +98,11 @@ register([aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar],
 register([aten.rsub.Tensor, aten.rsub.Scalar], Rule("R7' constant minus LIVE", _rsub, held_multipliers=False))
 register([aten.mul.Tensor, aten.mul.Scalar],
          Rule("R8 scaled by a constant or gate", _scale, factor_args=(0, 1), held_multipliers=False))
+# An input-dependent divisor makes the quotient a held multiplier where it only scales (R5').
 register([aten.div.Tensor, aten.div.Scalar],
-         Rule("R8 divided by a constant or gate", _scale, factor_args=(1,), held_multipliers=False))
+         Rule("R8 divided by a constant or gate", _scale, factor_args=(1,), multiplier_args=(1,),
+              held_multipliers=False))
 register([aten.div.Tensor_mode], Rule("R8 divided by a constant or gate", _div_rounding, held_multipliers=False))
 register([aten.neg], Rule("R8 scaled by -1", _neg, held_multipliers=False))
+register([aten.addcmul], Rule("R1' addcmul (R7' + R8)", _addcmul, factor_args=(1, 2), held_multipliers=False))
+register([aten.addcdiv], Rule("R1' addcdiv (R7' + R8)", _addcmul, factor_args=(2,), held_multipliers=False))

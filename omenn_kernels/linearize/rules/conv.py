@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from ...ops import kernels_available
 from ...ops.conv_bias import conv2d_ones, cuts_patches, pair, weight_grad
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, renormalized, require_reached, with_parameter_gradient
+from ..values import Gate, Live, reached, renormalized, with_parameter_gradient
 
 aten = torch.ops.aten
 
@@ -67,9 +67,10 @@ def convolved(x: Live, weight: torch.Tensor, bias, stride, padding, dilation, gr
         value = _CONV[x.value.dim() - 2](x.value, weight, None, stride, padding, dilation, groups)
     spatial_ones = x.ones.expand(*x.ones.shape[:2], *x.value.shape[2:])
     share = renormalized(receptive_ones(spatial_ones, weight.shape, stride, padding, dilation, groups))
+    if bias is not None:
+        share = reached(share)
     ones = share if share.shape[1] == 1 else share.repeat_interleave(weight.shape[0] // groups, dim=1)
     if bias is not None:
-        require_reached(share)
         value = value + bias.view(1, -1, *([1] * (value.dim() - 2))) * ones
     return Live(value, ones)
 
@@ -118,8 +119,8 @@ def _fused_conv(op, *args, value_gradient: bool = False, **kwargs):
     ones = ones.expand(x.value.shape[0], 1, *x.value.shape[2:])
     window = ones.new_ones(1, 1, *weight.shape[2:])
     window_sum = F.conv2d(ones.detach(), window, None, stride, padding, dilation)
-    if bias is not None:
-        require_reached(window_sum)
+    if bias is not None and reached(window_sum) is not window_sum:  # R11' fills padded positions
+        return _conv(op, *args, **kwargs)
     value, ones_out = conv2d_ones(x.value, ones, window_sum.float(), weight, bias, stride, padding,
                                   dilation, groups)
     if value_gradient:

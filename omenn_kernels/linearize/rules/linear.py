@@ -14,12 +14,14 @@ is the rule's (``_LinearOfHeld``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from ...ops.linear_ones import linear_input_grad, linear_ones
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, require_reached, with_parameter_gradient
+from ..values import Gate, Live, reached, with_parameter_gradient
 from .attention import attended
 
 aten = torch.ops.aten
@@ -37,7 +39,7 @@ def _linear(op, *args, receiving: tuple[int, int] | None = None, **kwargs):
     value = F.linear(x.value, weight)
     ones = x.ones.mean(-1, keepdim=True)
     if bias is not None:
-        require_reached(ones)
+        ones = reached(ones)
         value = value + bias * ones
     return Live(value, ones)
 
@@ -83,10 +85,11 @@ def _fused_linear(op, *args, receiving: tuple[int, int] | None = None, value_gra
             or isinstance(bias, (Live, Gate)):
         return _linear(op, *args, **kwargs)
     block = receiving if receiving is not None else (0, weight.shape[0])
-    require_reached(x.ones.mean(-1, keepdim=True))
+    ones_bar = x.ones.mean(-1, keepdim=True)
+    if reached(ones_bar) is not ones_bar:  # R11' fills padded positions: the reference math
+        return _linear(op, *args, **kwargs)
     if x.held is not None:
         held = F.linear(x.held, weight, bias)
-        ones_bar = x.ones.mean(-1, keepdim=True)
         return Live(_LinearOfHeld.apply(x.value, ones_bar, weight, bias, held, block), ones_bar, held)
     ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
     value, ones_bar = linear_ones(x.value, ones, weight, bias, *block)
@@ -138,8 +141,79 @@ def _addmm(op, *args, **kwargs):
     return Live(alpha * product.value + beta * bias * product.ones, product.ones)
 
 
+def _subscripts(equation: str, operands: list) -> tuple[list[str], str]:
+    """The letters of each operand and of the result of an explicit einsum equation."""
+    equation = equation.replace(" ", "")
+    if "->" not in equation or "..." in equation:
+        raise RuleError(f"einsum equation {equation!r}: only explicit equations ('ij,jk->ik') without "
+                        "ellipsis are linearized", "R1' (einsum with an explicit output)")
+    inputs, output = equation.split("->")
+    return inputs.split(","), output
+
+
+def _einsum(op, *args, **kwargs):
+    """R1' for einsum linear in its one LIVE operand.
+
+    Every other operand CONST: the ones are averaged over the LIVE operand's contracted
+    letters (as R1 over a matrix product's contracted dim) and broadcast over the
+    result's other letters. A gate and a LIVE operand as a batched matrix product
+    (``…ij,…jd->…id``, in any letter order): attention (R6), through the same rule as
+    ``A·V`` written with ``matmul``.
+    """
+    equation, operands = arguments(op, args, kwargs)[:2]
+    subscripts, output = _subscripts(equation, operands)
+    live = [i for i, operand in enumerate(operands) if isinstance(operand, Live)]
+    if len(live) != 1:
+        raise RuleError("more than one operand of the einsum depends on the input and none is a gate",
+                        "R9 (a product of two LIVE tensors is unsupported)")
+    (index,) = live
+    x, letters = operands[index], subscripts[index]
+    gates = [i for i, operand in enumerate(operands) if isinstance(operand, Gate)]
+    if gates:
+        return _gated_einsum(operands, subscripts, output, index, gates)
+    value = torch.einsum(equation, *(operand.value if isinstance(operand, Live) else operand for operand in operands))
+    kept = "".join(letter for letter in letters if letter in output)
+    ones = x.ones.reshape((1,) * (x.value.dim() - x.ones.dim()) + tuple(x.ones.shape))
+    sizes = dict(zip(letters, ones.shape))  # 1 along the letters the ones are shared on
+    contracted = math.prod(sizes[letter] for letter in letters if letter not in output)
+    ones = torch.einsum(f"{letters}->{kept}", ones) / contracted
+    shape = [sizes[letter] if letter in kept else 1 for letter in output]
+    order = [letter for letter in output if letter in kept]
+    ones = ones.permute(*[kept.index(letter) for letter in order]).reshape(shape)
+    return Live(value, ones)
+
+
+def _gated_einsum(operands: list, subscripts: list[str], output: str, index: int, gates: list[int]) -> Live:
+    """``A·V`` written as an einsum of a gate ``A`` and LIVE ``V``: permuted into ``matmul``'s
+    layout, attended (R6), and permuted back."""
+    if len(operands) != 2:
+        raise RuleError("an einsum of a gate with more than one other operand", "R6 (A·V with a gate A)")
+    gate, weights = subscripts[gates[0]], operands[gates[0]].value
+    letters, values = subscripts[index], operands[index]
+    contracted = [letter for letter in letters if letter in gate and letter not in output]
+    batch = [letter for letter in output if letter in gate and letter in letters]
+    query = [letter for letter in gate if letter not in letters]
+    feature = [letter for letter in letters if letter not in gate]
+    if len(contracted) != 1 or len(query) != 1 or len(feature) != 1 or \
+            sorted(output) != sorted(batch + query + feature) or len(gate) != len(batch) + 2 or \
+            len(letters) != len(batch) + 2:
+        raise RuleError(f"the einsum {','.join(subscripts)}->{output} of a gate and a LIVE operand is not a batched "
+                        "matrix product", "R6 (A·V with a gate A)")
+    order_gate, order_values = batch + query + contracted, batch + contracted + feature
+    to_gate = [gate.index(letter) for letter in order_gate]
+    to_values = [letters.index(letter) for letter in order_values]
+    ones = values.ones.expand(values.value.shape)
+    product = attended(weights.permute(to_gate), Live(values.value.permute(to_values), ones.permute(to_values),
+                                                       None if values.held is None else values.held.permute(to_values)))
+    result = batch + query + feature
+    back = [result.index(letter) for letter in output]
+    return Live(product.value.permute(back), product.ones.permute(back),
+                None if product.held is None else product.held.permute(back))
+
+
 register([aten.linear], Rule("R1 linear", _linear, _fused_linear, fused_differentiable=True,
                              held_multipliers=False, receiving=True))
 register([aten.matmul, aten.mm, aten.bmm],
          Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1), held_multipliers=False))
 register([aten.addmm], Rule("R1 linear", _addmm, held_multipliers=False))
+register([aten.einsum], Rule("R1' einsum / R6 attention", _einsum, factor_args=(1,), held_multipliers=False))

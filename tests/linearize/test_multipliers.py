@@ -1,0 +1,212 @@
+"""R5' held multipliers and R1' products (rules/multiplier.py, rules/activation.py, rules/linear.py,
+rules/arithmetic.py), against written-out matrices.
+
+float64, random inputs and parameters (biases and norm affines included). Tolerances: the
+written-out forms, and backend against backend, ``rtol=1e-9`` with ``atol=1e-12·max|expected|``;
+completeness ``|Σ C − ŷ| / |ŷ| ≤ 1e-10``.
+
+Tables (B, F) are explained with their features as one position (``feature_dim=1``), so
+``C_w`` (B, F) is the explanation's matrix row and ``C_b`` (B,) what the biases add:
+``ŷ = C_w·x + C_b``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from omenn_kernels import UnsupportedOpError, explain
+
+DT = torch.float64
+F_IN, HIDDEN, K = 6, 8, 3
+
+
+def _x(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
+
+
+def _parameter(*shape: int, seed: int) -> nn.Parameter:
+    return nn.Parameter(_x(*shape, seed=seed))
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    expected = expected.detach()
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-12 * float(expected.abs().max()))
+
+
+def _both_backends(model: nn.Module, x: torch.Tensor, target: int, **kwargs):
+    reference = explain(model, x, target, backend="reference", **kwargs)
+    fused = explain(model, x, target, backend="fused", **kwargs)
+    _assert_close(fused.contribution, reference.contribution)
+    _assert_close(fused.weight, reference.weight)
+    assert float(reference.completeness_error().max()) <= 1e-10
+    return reference
+
+
+class RMSNormHead(nn.Module):
+    """``head(γ ⊙ x · rsqrt(mean(x²) + ε))`` written out, as Llama's RMSNorm is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = _parameter(F_IN, seed=1)
+        self.head = nn.Linear(F_IN, K).to(DT)
+
+    def forward(self, x):
+        normalizer = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.head(self.gamma * (x * normalizer))
+
+
+def test_rms_normalization_holds_its_normalizer():
+    model, x = RMSNormHead(), _x(4, F_IN, seed=2)
+    e = _both_backends(model, x, 1)
+    held = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # one number per row, held
+    row = model.head.weight[1] * model.gamma
+    _assert_close(e.weight, held * row)
+    _assert_close(e.bias, model.head.bias[1].detach().expand(4))
+
+
+class GatedMLP(nn.Module):
+    """``down((x W_up) ⊙ silu(x W_gate))``: Llama's and EVA-02's MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.gate = nn.Linear(F_IN, HIDDEN).to(DT), nn.Linear(F_IN, HIDDEN).to(DT)
+        self.down = nn.Linear(HIDDEN, K).to(DT)
+
+    def forward(self, x):
+        return self.down(self.up(x) * F.silu(self.gate(x)))
+
+
+def test_a_gated_mlp_is_linear_in_its_up_projection_with_the_silu_held():
+    model, x = GatedMLP(), _x(5, F_IN, seed=3)
+    e = _both_backends(model, x, 2)
+    with torch.no_grad():
+        gate = F.silu(model.gate(x))  # (B, HIDDEN), held
+        scaled = model.down.weight[2] * gate  # diag(g) folded into the read-out row, per sample
+        _assert_close(e.weight, scaled @ model.up.weight)
+        _assert_close(e.bias, scaled @ model.up.bias + model.down.bias[2])
+
+
+class GlobalResponseNorm(nn.Module):
+    """ConvNeXt-V2's GRN on channels-last maps: ``x + addcmul(β, γ, x · ‖x‖/mean‖x‖)``."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.gamma, self.beta = _parameter(channels, seed=4), _parameter(channels, seed=5)
+        self.head = nn.Linear(channels, K).to(DT)
+
+    def forward(self, x):  # x: (B, C, H, W)
+        x = x.permute(0, 2, 3, 1)
+        norm = torch.linalg.vector_norm(x, ord=2, dim=(1, 2), keepdim=True)
+        response = norm / (norm.mean(dim=-1, keepdim=True) + 1e-6)
+        x = x + torch.addcmul(self.beta, self.gamma, x * response)
+        return self.head(x.mean((1, 2)))
+
+
+def test_global_response_normalization_holds_its_response():
+    model, x = GlobalResponseNorm(4), _x(2, 4, 3, 3, seed=6)
+    e = _both_backends(model, x, 0)
+    with torch.no_grad():
+        channels_last = x.permute(0, 2, 3, 1)
+        norm = torch.linalg.vector_norm(channels_last, ord=2, dim=(1, 2), keepdim=True)
+        response = (norm / (norm.mean(-1, keepdim=True) + 1e-6)).flatten(1)  # (B, C), held
+        per_channel = model.head.weight[0] * (1 + model.gamma * response) / 9  # mean over 3×3
+        _assert_close(e.weight, per_channel[:, :, None, None].expand_as(x))
+        bias = (model.head.weight[0] @ model.beta + model.head.bias[0]) / 9  # per pixel, spread by the mean
+        _assert_close(e.bias, bias.expand(2, 3, 3))
+
+
+class TwoMultipliers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(F_IN, HIDDEN).to(DT), nn.Linear(F_IN, HIDDEN).to(DT)
+        self.head = nn.Linear(HIDDEN, K).to(DT)
+
+    def forward(self, x):
+        return self.head(F.silu(self.a(x)) * F.gelu(self.b(x)))
+
+
+class AddedNormalizer(nn.Module):
+    def forward(self, x):
+        return x + torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def test_a_product_of_two_multipliers_stays_refused():
+    with pytest.raises(UnsupportedOpError, match=r"aten\.mul\.Tensor") as info:
+        explain(TwoMultipliers(), _x(2, F_IN), 0)
+    assert "R9" in info.value.rule_kind
+
+
+def test_a_multiplier_used_other_than_as_a_factor_is_refused_naming_r5_prime():
+    with pytest.raises(UnsupportedOpError, match=r"aten\.(rsqrt|pow)") as info:
+        explain(AddedNormalizer(), _x(2, F_IN), 0)
+    assert "R5'" in info.value.rule_kind
+
+
+class EinsumModel(nn.Module):
+    """An einsum projection, a constant addcmul, attention written with einsum, an addcdiv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = _parameter(3, 6, seed=7)
+        self.shift, self.scale = _parameter(6, seed=8), _parameter(6, seed=9)
+        self.head = nn.Linear(6 * 16, K).to(DT)
+
+    def forward(self, x, einsum=True):  # x: (B, 3, 4, 4)
+        if einsum:
+            tokens = torch.einsum("bchw,cd->bhwd", x, self.project).flatten(1, 2)
+            tokens = torch.addcmul(self.shift, self.scale, tokens)
+            weights = torch.einsum("bid,bjd->bij", tokens, tokens).softmax(-1)
+            mixed = torch.einsum("bij,bjd->bid", weights, tokens)
+            mixed = torch.addcdiv(mixed, mixed, self.scale.abs() + 1, value=0.5)
+        else:
+            tokens = (x.permute(0, 2, 3, 1) @ self.project).flatten(1, 2)
+            tokens = self.shift + self.scale * tokens
+            mixed = (tokens @ tokens.transpose(1, 2)).softmax(-1) @ tokens
+            mixed = mixed + 0.5 * mixed / (self.scale.abs() + 1)
+        return self.head(mixed.flatten(1))
+
+
+class WrittenWithMatmul(nn.Module):
+    def __init__(self, model: EinsumModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(x, einsum=False)
+
+
+def test_einsum_and_addcmul_equal_the_same_model_written_with_matmul():
+    model, x = EinsumModel(), _x(2, 3, 4, 4, seed=10)
+    e = _both_backends(model, x, 1)
+    written = explain(WrittenWithMatmul(model), x, 1, backend="reference")
+    _assert_close(e.contribution, written.contribution)
+    _assert_close(e.weight, written.weight)
+
+
+class EinsumTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight, self.bias = _parameter(F_IN, K, seed=11), _parameter(K, seed=12)
+
+    def forward(self, x):
+        return torch.einsum("bf,fk->bk", x, self.weight) + self.bias
+
+
+def test_an_einsum_with_a_constant_is_its_matrix():
+    model, x = EinsumTable(), _x(3, F_IN, seed=13)
+    e = _both_backends(model, x, 2)
+    _assert_close(e.weight, model.weight[:, 2].detach().expand(3, F_IN))
+    _assert_close(e.bias, model.bias[2].detach().expand(3))
+
+
+class EllipsisEinsum(nn.Module):
+    def forward(self, x):
+        return torch.einsum("...f,f->...", x, torch.ones(F_IN, dtype=x.dtype))[:, None].expand(-1, K)
+
+
+def test_an_einsum_with_an_ellipsis_is_refused_naming_the_equation():
+    with pytest.raises(UnsupportedOpError, match=r"aten\.einsum.*without ellipsis"):
+        explain(EllipsisEinsum(), _x(2, F_IN), 0)
