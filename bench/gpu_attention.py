@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from omenn_kernels.ops import attention as attention_op  # noqa: E402
+from omenn_kernels.testing import relative_distance  # noqa: E402
 
 SHAPES = ["64,12,197,64", "8,12,1024,64"]
 
@@ -68,11 +69,6 @@ def _graph_ms(call: Callable, replays: int, rounds: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / replays)
     return statistics.median(times)
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 def _lse_forwards(q, k, v, scale) -> dict[str, Callable]:
@@ -107,22 +103,22 @@ def run_shape(shape: tuple[int, int, int, int], args, record: Callable) -> None:
 
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
     variants: dict[str, tuple[Callable, Callable | None]] = {
-        "omenn_forward": (lambda: attention_forward(q, k, v, scale), lambda r: {"out": _relative(r[0], out_ref)}),
+        "omenn_forward": (lambda: attention_forward(q, k, v, scale), lambda r: {"out": relative_distance(r[0], out_ref)}),
         "omenn_forward_backward_dv": (
             lambda: attention_backward_dv(q, k, grad, attention_forward(q, k, v, scale)[1], scale),
-            lambda r: {"dv": _relative(r, dv_ref)}),
+            lambda r: {"dv": relative_distance(r, dv_ref)}),
         "sdpa_forward": (lambda: F.scaled_dot_product_attention(q, k, v, scale=scale),
-                         lambda r: {"out": _relative(r, out_ref)}),
+                         lambda r: {"out": relative_distance(r, out_ref)}),
         "sdpa_forward_full_backward": (
             lambda: torch.autograd.grad(F.scaled_dot_product_attention(qg, kg, vg, scale=scale), (qg, kg, vg), grad),
-            lambda r: {"dv": _relative(r[2], dv_ref)}),
+            lambda r: {"dv": relative_distance(r[2], dv_ref)}),
     }
     for kernel, forward in _lse_forwards(q, k, v, scale).items():
         variants[f"{kernel}_forward_lse"] = (
-            forward, lambda r: {"out": _relative(r[0], out_ref), "lse": _relative(r[1], lse_ref)})
+            forward, lambda r: {"out": relative_distance(r[0], out_ref), "lse": relative_distance(r[1], lse_ref)})
         variants[f"{kernel}_forward_backward_dv"] = (
             lambda forward=forward: attention_backward_dv(q, k, grad, forward()[1].float(), scale),
-            lambda r: {"dv": _relative(r, dv_ref)})
+            lambda r: {"dv": relative_distance(r, dv_ref)})
 
     for name, (call, check) in variants.items():
         row = {"shape": list(shape), "dtype": "bfloat16", "variant": name}

@@ -54,7 +54,7 @@ import timm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from omenn_kernels import Explainer  # noqa: E402
 from omenn_kernels.backends import compiled as compiled_backend  # noqa: E402
-from omenn_kernels.testing import randomize_  # noqa: E402
+from omenn_kernels.testing import randomize_, relative_distance  # noqa: E402
 
 # In order of priority: a run cut off by its time budget keeps the first ones.
 METHODS = ["forward", "input_x_gradient", "omenn_compiled", "omenn_fused", "omenn_reference",
@@ -133,18 +133,13 @@ def _profile(call: Callable) -> dict:
     }
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
 def _check(explanation, reference) -> dict:
     logit = explanation.logit.double()
     sums = explanation.contribution.double().flatten(1).sum(1)
     return {
         "completeness_relative_max": float(((sums - logit).abs() / logit.abs().clamp_min(1e-12)).max()),
-        "weight_vs_reference_float32": _relative(explanation.weight, reference.weight),
-        "bias_vs_reference_float32": _relative(explanation.bias, reference.bias),
+        "weight_vs_reference_float32": relative_distance(explanation.weight, reference.weight),
+        "bias_vs_reference_float32": relative_distance(explanation.bias, reference.bias),
         "same_targets_as_reference": bool(torch.equal(explanation.target.cpu(), reference.target.cpu())),
     }
 

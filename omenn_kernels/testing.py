@@ -1,6 +1,6 @@
 """Models and helpers for testing and measuring OMENN on every supported family.
 
-``randomize_`` gives a model random biases, norm statistics and affine parameters:
+``relative_distance`` is how far one result is from another. ``randomize_`` gives a model random biases, norm statistics and affine parameters:
 timm and torchvision initialize many of them to 0 or 1, which hides bias-routing
 bugs. ``FAMILIES`` builds a small, randomly initialized model of each supported
 family with its input size; ``FULL_SIZE`` the full-size ImageNet models.
@@ -15,6 +15,12 @@ import torch
 from torch import nn
 
 from .capture import eval_semantics
+
+
+def relative_distance(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``‖got − want‖ / ‖want‖`` (Frobenius), computed in float64."""
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
 def randomize_(model: nn.Module, seed: int = 0, scale: float = 0.2) -> nn.Module:

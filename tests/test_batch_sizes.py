@@ -14,13 +14,9 @@ from torch import nn
 import omenn_kernels.api as api
 from omenn_kernels import Explainer
 from omenn_kernels.backends import compiled
-from omenn_kernels.testing import FAMILIES, randomize_
+from omenn_kernels.testing import FAMILIES, randomize_, relative_distance
 
 TOLERANCE = 1e-10
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
 @pytest.fixture
@@ -43,7 +39,7 @@ def counted(monkeypatch) -> dict[str, int]:
 
 def _check(got, want) -> None:
     for field in ("contribution", "weight", "bias", "logit", "logits"):
-        assert _relative(getattr(got, field), getattr(want, field)) <= TOLERANCE, field
+        assert relative_distance(getattr(got, field), getattr(want, field)) <= TOLERANCE, field
 
 
 @pytest.mark.parametrize("name, backend", [("vit", "fused"), ("resnet", "fused"), ("cnn", "compiled")])

@@ -40,6 +40,7 @@ from ..capture import CAPTURE_LOCK
 from ..linearize.program import LinearizedProgram
 from ..ops import traced_as_aten
 from ..readout import ReadoutFunction
+from ..testing import relative_distance
 from . import fused
 from .executor import ParameterGradient
 
@@ -215,7 +216,7 @@ def _mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], x: 
     """
     half = x.dtype not in _ORDERED_TOLERANCE
     if half and not exact_order:
-        if _relative(got[4], want[4]) > _HALF_LOGITS:
+        if relative_distance(got[4], want[4]) > _HALF_LOGITS:
             return f"{stage} explanation of {{}} gives logits that differ from the fused backend's by more " \
                    f"than {_HALF_LOGITS:g} relative"
         error, scale = _completeness(got, x)
@@ -226,15 +227,10 @@ def _mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], x: 
         return None
     tolerance = 1e-2 if half else (_ORDERED_TOLERANCE if exact_order else _REORDERED_TOLERANCE)[x.dtype]
     for name, index in (("weight", 0), ("bias", 1), ("logit", 2)):
-        if _relative(got[index], want[index]) > tolerance:
+        if relative_distance(got[index], want[index]) > tolerance:
             return f"{stage} explanation of {{}} differs from the fused backend's in its {name} by more than " \
                    f"{tolerance:g} relative"
     return None
-
-
-def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
 def _completeness(explanation: tuple[torch.Tensor, ...], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

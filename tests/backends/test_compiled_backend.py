@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from omenn_kernels import Explainer, InputError, ReadoutFunction, TargetError
 from omenn_kernels.backends import compiled, fused
-from omenn_kernels.testing import FAMILIES, randomize_
+from omenn_kernels.testing import FAMILIES, randomize_, relative_distance
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 SYNC = torch.ops.aten._local_scalar_dense.default
@@ -40,15 +40,11 @@ class _Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
 def _assert_equal_explanations(got, want, dtype) -> None:
     for field in ("contribution", "weight", "bias"):
-        assert _relative(getattr(got, field), getattr(want, field)) <= TOLERANCE[dtype], field
-    assert _relative(got.logit, want.logit) <= TOLERANCE[dtype]
-    assert _relative(got.logits, want.logits) <= TOLERANCE[dtype]
+        assert relative_distance(getattr(got, field), getattr(want, field)) <= TOLERANCE[dtype], field
+    assert relative_distance(got.logit, want.logit) <= TOLERANCE[dtype]
+    assert relative_distance(got.logits, want.logits) <= TOLERANCE[dtype]
     assert torch.equal(got.target, want.target)
 
 
@@ -328,6 +324,6 @@ def test_inductor_on_cuda_equals_reference_and_outlives_the_next_run(name, full_
         kept = [explainer(inputs[i % 2]) for i in range(5)]  # eager + compile, CUDA graph warm-up, record, replays
     for i, got in enumerate(kept):
         for field in ("contribution", "weight", "bias"):
-            assert _relative(getattr(got, field), getattr(expected[i % 2], field)) <= 1e-4, (i, field)
+            assert relative_distance(getattr(got, field), getattr(expected[i % 2], field)) <= 1e-4, (i, field)
     program, _ = explainer.program(inputs[0])
     assert isinstance(next(iter(program.compiled.values())), compiled.CompiledExplanation)

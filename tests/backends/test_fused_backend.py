@@ -17,13 +17,9 @@ from omenn_kernels import Explainer, explain
 from omenn_kernels.linearize.rules import activation as activation_rules
 from omenn_kernels.linearize.rules import conv as conv_rules
 from omenn_kernels.ops import activation, attention, batch_norm_ones, conv_bias, linear_ones
-from omenn_kernels.testing import FAMILIES, randomize_
+from omenn_kernels.testing import FAMILIES, randomize_, relative_distance
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
-
-
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def _both(model, x, target=None):
@@ -41,7 +37,7 @@ def test_fused_equals_reference_on_every_family(name, dtype):
     x = torch.randn(2, 3, family.size, family.size, dtype=dtype)
     reference, fused = _both(model, x)
     for field in ("contribution", "weight", "bias"):
-        assert _relative(getattr(fused, field), getattr(reference, field)) <= TOLERANCE[dtype], field
+        assert relative_distance(getattr(fused, field), getattr(reference, field)) <= TOLERANCE[dtype], field
     torch.testing.assert_close(fused.logit, reference.logit, rtol=TOLERANCE[dtype], atol=0)
 
 
@@ -57,8 +53,8 @@ def test_fused_under_autocast_follows_the_reference(name, dtype):
     x = torch.randn(2, 3, family.size, family.size)
     with torch.autocast("cpu", dtype=dtype):
         reference, fused = _both(model, x, 1)
-    assert _relative(fused.contribution.float(), reference.contribution.float()) <= 2e-2
-    assert _relative(fused.logit.float(), reference.logit.float()) <= 2e-2
+    assert relative_distance(fused.contribution.float(), reference.contribution.float()) <= 2e-2
+    assert relative_distance(fused.logit.float(), reference.logit.float()) <= 2e-2
 
 
 def test_auto_backend_is_the_fused_one_on_the_cpu():
@@ -243,4 +239,4 @@ def test_fused_on_cuda_equals_reference(name, full_float32_on_cuda):
     x = torch.randn(2, 3, family.size, family.size, device="cuda")
     reference, fused = _both(model, x)
     for field in ("contribution", "weight", "bias"):
-        assert _relative(getattr(fused, field), getattr(reference, field)) <= 1e-4, field
+        assert relative_distance(getattr(fused, field), getattr(reference, field)) <= 1e-4, field
