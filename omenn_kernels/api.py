@@ -66,8 +66,9 @@ class Explanation:
         return (total - self.logit).abs() / self.logit.abs().clamp_min(torch.finfo(self.logit.dtype).tiny)
 
 
-def _feature_axis(feature_dim: int | None, x: torch.Tensor) -> int | None:
-    """``feature_dim`` as a non-negative axis of ``x`` (None stays None)."""
+def feature_axis(feature_dim: int | None, x: torch.Tensor) -> int | None:
+    """``feature_dim`` as a non-negative axis of ``x`` (None stays None); InputError if it is not
+    an axis after the batch."""
     if feature_dim is None:
         return None
     if not -x.dim() <= feature_dim < x.dim() or feature_dim % x.dim() == 0:
@@ -300,7 +301,7 @@ class Explainer:
                 return cached
             captured = capture(self.model, x, self.output)
             program = linearize(captured)
-            program.feature_dim = _feature_axis(self.feature_dim, x)
+            program.feature_dim = feature_axis(self.feature_dim, x)
             output = next(n for n in captured.graph.nodes if n.name == captured.output_name)
             shape = (x.shape[0], *output.meta["val"].shape[1:]) if output.meta["val"].dim() else ()
             if len(shape) != 2:
@@ -395,7 +396,7 @@ class Explainer:
         """
         parameter_gradient = _parameter_gradient(create_graph, parameter_gradient)
         x = _check_input(x, self.model)
-        feature = _feature_axis(self.feature_dim, x)
+        feature = feature_axis(self.feature_dim, x)
         finite = _Finiteness(x)
         # Explaining needs autograd, also when called under inference_mode.
         with torch.inference_mode(False):
@@ -426,7 +427,7 @@ class Explainer:
         the attributions of an input still sum to its explained logit.
         """
         e = self(inputs, target)
-        feature = _feature_axis(self.feature_dim, inputs)
+        feature = feature_axis(self.feature_dim, inputs)
         if feature is None:
             return e.weight * inputs + e.bias
         return e.weight * inputs + e.bias.unsqueeze(feature) / inputs.shape[feature]
@@ -471,18 +472,20 @@ _EXPLAINERS: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, Explainer]]
 _EXPLAINERS_LOCK = threading.Lock()
 
 
-def explainer_for(model: torch.nn.Module, backend: str = "auto", output: OutputSelector = None) -> Explainer:
-    """The :class:`Explainer` of ``model``, ``backend`` and ``output`` kept for repeated calls (held weakly).
+def explainer_for(model: torch.nn.Module, backend: str = "auto", output: OutputSelector = None,
+                  feature_dim: int | None = 1) -> Explainer:
+    """The :class:`Explainer` of ``model``, ``backend``, ``output`` and ``feature_dim`` kept for
+    repeated calls (held weakly).
 
     Code that explains the same model many times (Quantus metrics, attribution losses at
     every training step) captures it once per input signature this way. A function given
     as ``output`` is told apart by identity: pass the same function object at every call.
     """
-    key = (backend, checked_selector(output))
-    with _EXPLAINERS_LOCK:  # one Explainer per model, backend and output, also when threads ask at once
+    key = (backend, checked_selector(output), feature_dim)
+    with _EXPLAINERS_LOCK:  # one Explainer per model and setting, also when threads ask at once
         per_setting = _EXPLAINERS.setdefault(model, {})
         if key not in per_setting:
-            per_setting[key] = Explainer(model, backend=backend, output=output)
+            per_setting[key] = Explainer(model, backend=backend, output=output, feature_dim=feature_dim)
         return per_setting[key]
 
 

@@ -31,7 +31,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .api import Explanation, Target, explainer_for
+from .api import Explanation, Target, explainer_for, feature_axis
 from .capture import OutputSelector
 from .backends.executor import ParameterGradient
 from .errors import InputError, OptionError, TargetError
@@ -65,8 +65,10 @@ class AttributionLoss:
     reference: Explanation | None
 
 
-def attribution_map(explanation: Explanation, x: torch.Tensor, component: Component) -> torch.Tensor:
-    """The (B, H, W) map of ``explanation`` that a loss compares.
+def attribution_map(explanation: Explanation, x: torch.Tensor, component: Component,
+                    feature_dim: int | None = 1) -> torch.Tensor:
+    """The map of ``explanation`` that a loss compares: (B, H, W) for images (B, C, H, W), the
+    input's shape without its feature axis for other layouts (see :class:`~omenn_kernels.api.Explainer`).
 
     ``"contribution"``: ``C``; ``"weighted_input"``: ``Σ_c C_w ⊙ X``; ``"bias"``: ``C_b``.
     """
@@ -74,7 +76,9 @@ def attribution_map(explanation: Explanation, x: torch.Tensor, component: Compon
     if component == "contribution":
         return explanation.contribution
     if component == "weighted_input":
-        return (explanation.weight * x).sum(1)
+        axis = feature_axis(feature_dim, x)
+        weighted = explanation.weight * x
+        return weighted if axis is None else weighted.sum(axis)
     return explanation.bias
 
 
@@ -99,19 +103,25 @@ def _check_choice(value: str, choices: tuple[str, ...], what: str) -> None:
         raise OptionError(f"unknown {what} {value!r}; expected one of {', '.join(repr(c) for c in choices)}")
 
 
-def _checked_stored_maps(maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``maps`` if they are finite (B, H, W) maps of the (B, C, H, W) batch ``x``.
+def _checked_stored_maps(maps: torch.Tensor, x: torch.Tensor, feature_dim: int | None) -> torch.Tensor:
+    """``maps`` if they are finite maps of the batch ``x``: (B, H, W) for images (B, C, H, W),
+    ``x``'s shape without its feature axis otherwise.
 
-    A store's failed rows hold NaN; compared with them, the loss would be NaN. An ``x``
-    that is not an image batch is left to the explainer, which names what is wrong with it.
+    A store's failed rows hold NaN; compared with them, the loss would be NaN. An ``x`` or a
+    ``feature_dim`` that does not make a batch is left to the explainer, which names what is wrong.
     """
-    if not (isinstance(x, torch.Tensor) and x.dim() == 4):
+    if not (isinstance(x, torch.Tensor) and x.dim() >= 2):
         return maps
-    expected = (x.shape[0], *x.shape[2:])
+    try:
+        axis = feature_axis(feature_dim, x)
+    except (InputError, TypeError):
+        return maps
+    expected = tuple(x.shape) if axis is None else tuple(size for dim, size in enumerate(x.shape) if dim != axis)
     if tuple(maps.shape) != expected:
-        raise InputError(f"the stored reference maps have shape {tuple(maps.shape)}, but the maps of the image "
-                         f"batch {tuple(x.shape)} are (B, H, W) = {expected}")
-    non_finite = (~torch.isfinite(maps)).flatten(1).any(1).nonzero().flatten().tolist()
+        layout = "(B, H, W)" if x.dim() == 4 and axis == 1 else "without the feature axis"
+        raise InputError(f"the stored reference maps have shape {tuple(maps.shape)}, but the maps of the "
+                         f"batch {tuple(x.shape)} are {layout} = {expected}")
+    non_finite = (~torch.isfinite(maps)).reshape(maps.shape[0], -1).any(1).nonzero().flatten().tolist()
     if non_finite:
         rows = ", ".join(str(row) for row in non_finite[:_ROWS_SHOWN])
         more = f", … ({len(non_finite) - _ROWS_SHOWN} more)" if len(non_finite) > _ROWS_SHOWN else ""
@@ -124,7 +134,7 @@ def _checked_stored_maps(maps: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _matched(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Tensor, x: torch.Tensor,
              target: Target, distance: Distance, component: Component, backend: str,
              reference_backend: str, parameter_gradient: ParameterGradient,
-             output: OutputSelector) -> AttributionLoss:
+             output: OutputSelector, feature_dim: int | None) -> AttributionLoss:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(reference_model, (torch.nn.Module, torch.Tensor)):
@@ -138,13 +148,13 @@ def _matched(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Te
     if isinstance(reference_model, torch.Tensor):
         if target is None:
             raise TargetError("stored reference maps need the target they explain; pass target")
-        reference, reference_maps = None, _checked_stored_maps(reference_model.detach(), x)
+        reference, reference_maps = None, _checked_stored_maps(reference_model.detach(), x, feature_dim)
     else:
-        reference = explainer_for(reference_model, reference_backend, output)(x, target)
-        target, reference_maps = reference.target, attribution_map(reference, x, component)
-    explanation = explainer_for(model, backend, output)(x, target, create_graph=True,
-                                                        parameter_gradient=parameter_gradient)
-    loss = map_distance(attribution_map(explanation, x, component), reference_maps, distance)
+        reference = explainer_for(reference_model, reference_backend, output, feature_dim)(x, target)
+        target, reference_maps = reference.target, attribution_map(reference, x, component, feature_dim)
+    explanation = explainer_for(model, backend, output, feature_dim)(x, target, create_graph=True,
+                                                                     parameter_gradient=parameter_gradient)
+    loss = map_distance(attribution_map(explanation, x, component, feature_dim), reference_maps, distance)
     return AttributionLoss(loss, explanation.logits, explanation, reference)
 
 
@@ -153,7 +163,7 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module 
                              component: Component = "contribution", backend: str = "auto",
                              teacher_backend: str = "auto",
                              parameter_gradient: ParameterGradient = "total",
-                             output: OutputSelector = None) -> AttributionLoss:
+                             output: OutputSelector = None, feature_dim: int | None = 1) -> AttributionLoss:
     """How far the student's OMENN explanations are from its teacher's, as a training loss.
 
     Args:
@@ -175,6 +185,8 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module 
             :meth:`~omenn_kernels.api.Explainer.__call__`).
         output: which tensor of both models' outputs holds the logits (see
             :class:`~omenn_kernels.api.Explainer`).
+        feature_dim: the input's feature axis (see :class:`~omenn_kernels.api.Explainer`);
+            the maps are the input's shape without it.
 
     Returns:
         An :class:`AttributionLoss`; its ``loss`` is differentiable with respect to the
@@ -190,7 +202,7 @@ def attribution_distillation(student: torch.nn.Module, teacher: torch.nn.Module 
         The errors of :func:`~omenn_kernels.explain` for inputs and targets.
     """
     return _matched(student, teacher, x, target, distance, component, backend, teacher_backend,
-                    parameter_gradient, output)
+                    parameter_gradient, output, feature_dim)
 
 
 def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Module | torch.Tensor,
@@ -199,7 +211,7 @@ def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Mo
                             component: Component = "contribution", backend: str = "auto",
                             reference_backend: str = "auto",
                             parameter_gradient: ParameterGradient = "total",
-                            output: OutputSelector = None) -> AttributionLoss:
+                            output: OutputSelector = None, feature_dim: int | None = 1) -> AttributionLoss:
     """How far ``model``'s explanations have moved from a frozen copy's (continual learning).
 
     Take ``reference_model = copy.deepcopy(model)`` before training on a new task and add
@@ -214,7 +226,7 @@ def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Mo
         x: (B, C, H, W) images of the old tasks.
         target: as in :func:`attribution_distillation`; None: the reference model's
             predicted class.
-        distance, component, backend, parameter_gradient, output: as in
+        distance, component, backend, parameter_gradient, output, feature_dim: as in
             :func:`attribution_distillation`.
         reference_backend: the reference model's backend (``"auto"``: the fused kernels).
 
@@ -222,4 +234,4 @@ def attribution_consistency(model: torch.nn.Module, reference_model: torch.nn.Mo
         An :class:`AttributionLoss` (see :func:`attribution_distillation`).
     """
     return _matched(model, reference_model, x, target, distance, component, backend,
-                    reference_backend, parameter_gradient, output)
+                    reference_backend, parameter_gradient, output, feature_dim)

@@ -23,6 +23,7 @@ from timm.models.vision_transformer import Block
 
 from omenn_kernels import Explainer, InputError, explain
 from omenn_kernels.backends import compiled
+from omenn_kernels.losses import attribution_consistency, attribution_map
 from omenn_kernels.testing import randomize_
 
 DT = torch.float64
@@ -167,3 +168,23 @@ def test_an_input_without_the_axis_is_an_input_error_naming_it(shape, feature_di
 def test_a_feature_dim_of_another_type_is_a_type_error(feature_dim):
     with pytest.raises(TypeError, match=f"feature_dim must be an int or None, got {type(feature_dim).__name__}"):
         Explainer(nn.Linear(3, K), feature_dim=feature_dim)
+
+
+@pytest.mark.parametrize("name", ["audio", "tokens", "tabular-per-feature"])
+def test_attribution_losses_take_the_layout(name):
+    model, x, feature_dim, _ = _case(name)
+    frozen = _case(name)[0]
+    with torch.no_grad():
+        for parameter in frozen.parameters():
+            parameter.add_(0.01 * torch.randn_like(parameter))
+    loss = attribution_consistency(model, frozen, x, 3, feature_dim=feature_dim)
+    loss.loss.backward()
+    assert loss.explanation.contribution.shape == loss.reference.contribution.shape
+    assert all(parameter.grad is not None for parameter in model.parameters() if parameter.requires_grad)
+    maps = attribution_map(loss.reference, x, "weighted_input", feature_dim)
+    assert maps.shape == loss.reference.contribution.shape
+    stored = attribution_consistency(model, maps.detach(), x, 3, component="weighted_input", feature_dim=feature_dim)
+    torch.testing.assert_close(stored.loss, attribution_consistency(model, frozen, x, 3, component="weighted_input",
+                                                                    feature_dim=feature_dim).loss)
+    with pytest.raises(InputError, match=r"stored reference maps have shape"):
+        attribution_consistency(model, maps.detach()[..., :1], x, 3, feature_dim=feature_dim)
