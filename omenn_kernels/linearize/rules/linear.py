@@ -141,7 +141,7 @@ def _addmm(op, *args, **kwargs):
     return Live(alpha * product.value + beta * bias * product.ones, product.ones)
 
 
-def _subscripts(equation: str, operands: list) -> tuple[list[str], str]:
+def _subscripts(equation: str) -> tuple[list[str], str]:
     """The letters of each operand and of the result of an explicit einsum equation."""
     equation = equation.replace(" ", "")
     if "->" not in equation or "..." in equation:
@@ -161,7 +161,7 @@ def _einsum(op, *args, **kwargs):
     ``A·V`` written with ``matmul``.
     """
     equation, operands = arguments(op, args, kwargs)[:2]
-    subscripts, output = _subscripts(equation, operands)
+    subscripts, output = _subscripts(equation)
     live = [i for i, operand in enumerate(operands) if isinstance(operand, Live)]
     if len(live) != 1:
         raise RuleError("more than one operand of the einsum depends on the input and none is a gate",
