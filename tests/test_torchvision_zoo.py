@@ -9,10 +9,9 @@ ReLU before its pooling). float64, because in float32 the model's own forward ro
 models at random initialization (RegNetY-32GF, ViT-B/32) give logits near 0 whose float32
 rounding is about 5e-5 of them.
 
-CI runs the smallest model of 16 architectures (``IN_CI``; those left out are variants of
-these, ResNet's and Swin's among them): the whole zoo takes 10 minutes on the 2-core CI
-machine, most of it in ``torch.export``. ``OMENN_ZOO=all`` runs every model; the README
-lists the whole zoo's result.
+CI runs six quick architectures (``IN_CI``; Swin V2 for R11'), within its 30-minute budget;
+the whole zoo takes 10 minutes on a 2-core machine, most of it in ``torch.export``.
+``OMENN_ZOO=all`` runs every model; the README lists the whole zoo's result.
 """
 
 from __future__ import annotations
@@ -28,9 +27,7 @@ from omenn_kernels.testing import randomize_
 
 torchvision = pytest.importorskip("torchvision")
 
-IN_CI = ["alexnet", "convnext_tiny", "densenet121", "efficientnet_b0", "googlenet", "inception_v3", "maxvit_t",
-         "mnasnet0_5", "mobilenet_v3_small", "regnet_y_400mf", "resnet18", "shufflenet_v2_x0_5", "squeezenet1_0",
-         "swin_v2_t", "vgg11_bn", "vit_b_16"]
+IN_CI = ["alexnet", "resnet18", "shufflenet_v2_x0_5", "squeezenet1_0", "swin_v2_t", "vgg11_bn"]
 ALL = torchvision.models.list_models(module=torchvision.models)
 # The smallest input each accepts where 32×32 is too small (MaxViT: a multiple of 32·7); ViTs
 # take theirs as an argument.
