@@ -43,6 +43,7 @@ from ..readout import ReadoutFunction
 from ..testing import relative_distance
 from . import fused
 from .executor import ParameterGradient
+from .shape_only import fold_shape_only
 
 log = logging.getLogger("omenn_kernels.compiled")
 
@@ -173,6 +174,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     start = time.perf_counter()
     try:
         graph = make_fx(explanation, decomposition_table=decompositions)(*example)
+        folded = fold_shape_only(graph, example)
         with torch.no_grad():
             replayed = graph(*example)
         compiled = COMPILER(graph, example)
@@ -191,9 +193,10 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
                       "fused backend", RuntimeWarning, stacklevel=5)
         return _FAILED
     seconds = time.perf_counter() - start
-    log.info("compiled the explanation of %s for input %s %s and target %s in %.1f s (%d aten nodes)",
-             type(model).__name__, tuple(x.shape), x.dtype, _signature(x, target)[0], seconds,
-             sum(node.op == "call_function" for node in graph.graph.nodes))
+    log.info("compiled the explanation of %s for input %s %s and target %s in %.1f s (%d aten nodes, "
+             "%d shape-only values folded)", type(model).__name__, tuple(x.shape), x.dtype,
+             _signature(x, target)[0], seconds, sum(node.op == "call_function" for node in graph.graph.nodes),
+             folded)
     return CompiledExplanation(graph, compiled, seconds)
 
 

@@ -76,3 +76,13 @@ def traced_as_aten(device: torch.device) -> dict:
                       omenn.batch_norm_ones.default: batch_norm_ones.value,
                       omenn.batch_norm_ones_backward.default: batch_norm_ones.gradients})
     return table
+
+
+def shape_only_outputs() -> dict:
+    """For each fused op with an output that is a function of some arguments alone: output
+    index → those arguments' indices. The output ones of ``conv2d_ones`` (``S > 0``) and of
+    ``linear_ones`` (the mean of the input ones) depend on the ones and ``S`` only, so a
+    compiled explanation folds them into constants where those are shape-only
+    (:mod:`omenn_kernels.backends.shape_only`)."""
+    omenn = torch.ops.omenn
+    return {omenn.conv2d_ones.default: {1: (1, 2)}, omenn.linear_ones.default: {1: (1,)}}

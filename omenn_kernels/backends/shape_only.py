@@ -1,0 +1,156 @@
+"""Folding the shape-only part of a traced explanation into constants.
+
+The ones channel's forward depends on the input's shape alone: the ones start as one
+value per position, and convolutions, normalizations, pooling and residual sums carry
+them to values fixed by the layer geometry (the window sums ``S`` of every convolution,
+the renormalized shares ``S/stopgrad(S)``, the R11' fills). A traced explanation is
+specialized on the input's shape, so all of that is a constant of the graph; computed
+per call it costs one convolution per convolutional layer. Where an input-dependent
+factor enters (attention's weights times the ones), the ones stop being shape-only and
+nothing downstream of it is folded.
+
+A node is shape-only when it is a factory (``new_ones(x, …)``, ``zeros_like(x)`` read
+only ``x``'s shape and dtype), a deterministic, functional aten op whose tensor inputs
+are all shape-only, or an output of a fused op that depends on shape-only arguments
+alone (:func:`~omenn_kernels.ops.shape_only_outputs`). Placeholders and ``get_attr``
+nodes (the model's parameters, which optimizer steps change in place) are not; neither
+is a node written in place, nor anything computed from it. Only results that cost
+arithmetic are stored: a factory, or a view of one, stays in the graph, where the
+compiler writes it inline into its kernels.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Interpreter, Node
+
+from ..ops import shape_only_outputs
+
+aten = torch.ops.aten
+
+# Ops whose result depends on their tensor arguments' metadata only.
+_FACTORIES = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.ones_like.default,
+              aten.zeros_like.default, aten.full_like.default, aten.ones.default, aten.zeros.default,
+              aten.full.default, aten.scalar_tensor.default, aten.arange.default, aten.arange.start,
+              aten.arange.start_step}
+
+
+def _free(node: Node) -> bool:
+    """Whether ``node`` is a factory, a view or a tuple item: no arithmetic of its own."""
+    target = node.target
+    return target in _FACTORIES or (isinstance(target, torch._ops.OpOverload) and target.is_view) \
+        or target is operator.getitem
+
+
+def _foldable_op(node: Node) -> bool:
+    """A deterministic, functional aten op (or a tuple item): its value is a function of its arguments."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
+        return False
+    schema = node.target._schema
+    mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return not mutates and torch.Tag.nondeterministic_seeded not in node.target.tags
+
+
+def _written_in_place(graph: torch.fx.Graph) -> set[Node]:
+    """Nodes that some op writes in place, with the nodes they are views of."""
+    written: set[Node] = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for argument, value in zip(node.target._schema.arguments, node.args):
+            if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, Node):
+                written.add(value)
+    pending = list(written)
+    while pending:  # a view's base is written with it
+        node = pending.pop()
+        if node.op == "call_function" and _free(node) and node.target not in _FACTORIES and node.args \
+                and isinstance(node.args[0], Node) and node.args[0] not in written:
+            written.add(node.args[0])
+            pending.append(node.args[0])
+    return written
+
+
+def _fused_output_arguments(node: Node) -> tuple | None:
+    """The arguments that ``node``, an output of a fused op, depends on alone (:func:`shape_only_outputs`)."""
+    if node.target is not operator.getitem or not isinstance(node.args[0], Node):
+        return None
+    return shape_only_outputs().get(node.args[0].target, {}).get(node.args[1])
+
+
+def _uniform(value) -> bool:
+    """Whether every element of ``value`` is the same (a selection from it is then that value)."""
+    return isinstance(value, torch.Tensor) and value.numel() > 0 and bool((value == value.reshape(-1)[0]).all())
+
+
+class _ShapeOnly(Interpreter):
+    """Runs the graph once on the example inputs; finds its shape-only nodes and keeps their values.
+
+    A selection (``gather``, ``index``, ``index_select``) whose indices depend on the input
+    is shape-only where it selects from a shape-only tensor whose elements are all equal:
+    max pooling routes the ones by the input's argmax, and the ones it routes are all 1.
+    """
+
+    def __init__(self, module: GraphModule):
+        super().__init__(module)
+        self.written = _written_in_place(module.graph)
+        self.shape_only: dict[Node, object] = {}  # node → its value
+
+    def run_node(self, node: Node):
+        value = super().run_node(node)
+        if node not in self.written and self._decides_shape_only(node):
+            self.shape_only[node] = value
+        return value
+
+    def _decides_shape_only(self, node: Node) -> bool:
+        fused_arguments = _fused_output_arguments(node)
+        if fused_arguments is not None:
+            inputs = [node.args[0].args[i] for i in fused_arguments]
+        elif not _foldable_op(node):
+            return False
+        elif node.target in _FACTORIES:
+            return True
+        elif node.target in _SELECTIONS and node.args[0] in self.shape_only:
+            return _uniform(self.shape_only[node.args[0]])
+        else:
+            inputs = node.all_input_nodes
+        return all(n in self.shape_only for n in inputs if isinstance(n, Node))
+
+
+_SELECTIONS = {aten.gather.default, aten.index.Tensor, aten.index_select.default}
+
+
+def fold_shape_only(module: GraphModule, example: list[torch.Tensor]) -> int:
+    """Replace each shape-only value that costs arithmetic and feeds the rest of ``module``
+    by a constant computed from ``example`` (the inputs the graph is specialized on).
+
+    Returns the number of constants stored. The graph is changed in place and recompiled.
+    """
+    analysis = _ShapeOnly(module)
+    with torch.no_grad():
+        analysis.run(*example)
+    shape_only = analysis.shape_only
+    costly: set[Node] = set()  # shape-only nodes with arithmetic at or before them
+    for node in module.graph.nodes:
+        if node in shape_only and (not _free(node) or any(n in costly for n in node.all_input_nodes)):
+            costly.add(node)
+    folded = 0
+    for node in [n for n in module.graph.nodes if n in costly]:
+        value = shape_only[node]
+        if not isinstance(value, torch.Tensor) or all(user in shape_only for user in node.users):
+            continue
+        name = f"_shape_only_{folded}"
+        module.register_buffer(name, value.detach(), persistent=False)
+        with module.graph.inserting_before(node):
+            constant = module.graph.get_attr(name)
+        constant.meta.update(node.meta)
+        node.replace_all_uses_with(constant, delete_user_cb=lambda user: user not in shape_only)
+        folded += 1
+    module.graph.eliminate_dead_code()
+    module.recompile()
+    return folded
