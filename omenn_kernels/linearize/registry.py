@@ -83,6 +83,7 @@ class Rule:
 
 
 _RULES: dict[OpKey, Rule] = {}
+_REFUSED: dict[OpKey, str] = {}
 
 
 def register(ops: Iterable[OpKey], rule: Rule) -> Rule:
@@ -95,6 +96,20 @@ def register(ops: Iterable[OpKey], rule: Rule) -> Rule:
         else:
             _RULES[op] = rule
     return rule
+
+
+def refuse(ops: Iterable[OpKey], why: str) -> None:
+    """Record why each operation in ``ops`` has no rule: its error names this reason."""
+    for op in ops:
+        overloads = [getattr(op, name) for name in op.overloads() if not name.endswith("out")] \
+            if isinstance(op, torch._ops.OpOverloadPacket) else [op]
+        for overload in overloads:
+            _REFUSED[overload] = why
+
+
+def refusal(op: OpKey) -> str | None:
+    """Why ``op`` has no rule, where that was decided (:func:`refuse`), else None."""
+    return _REFUSED.get(op)
 
 
 class RuleError(Exception):
@@ -138,7 +153,10 @@ def op_name(op: OpKey) -> str:
 
 
 def needed_rule_kind(op: OpKey) -> str:
-    """The kind of rule an operation without one would need, from its schema and tags."""
+    """Why an operation has no rule (:func:`refuse`), or else the kind of rule it would need,
+    from its schema and tags."""
+    if op in _REFUSED:
+        return f"a rule that OMENN does not define ({_REFUSED[op]})"
     if not isinstance(op, torch._ops.OpOverload):
         return "a rule for this Python callable"
     tags = set(op.tags)

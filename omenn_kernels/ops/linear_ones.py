@@ -100,9 +100,10 @@ def _linear_ones_grad(ctx, grad, grad_ones_bar):
     receiving = ctx.stop - ctx.start
     if receiving < bias.shape[0]:  # the other features receive no gradient: Σ_c dy_c·b_c skips them
         grad, bias = grad.narrow(-1, ctx.start, receiving), bias.narrow(0, ctx.start, receiving)
-    grad_bar = grad.matmul(bias).unsqueeze(-1) + grad_ones_bar.sum_to_size(*grad.shape[:-1], 1)
-    grad_ones = (grad_bar / ctx.ones_shape[-1]).expand(*grad_bar.shape[:-1], ctx.ones_shape[-1])
-    return grad_x, grad_ones.sum_to_size(ctx.ones_shape), None, None, None, None
+    # Ō has the ones' shape but its last dim (1): shared along leading dims where the ones are.
+    ones_bar_shape = (*ctx.ones_shape[:-1], 1)
+    grad_bar = grad.matmul(bias).unsqueeze(-1).sum_to_size(ones_bar_shape) + grad_ones_bar
+    return grad_x, (grad_bar / ctx.ones_shape[-1]).expand(ctx.ones_shape), None, None, None, None
 
 
 linear_ones.register_autograd(_linear_ones_grad, setup_context=_linear_ones_setup)

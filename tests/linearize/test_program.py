@@ -156,8 +156,8 @@ class _Outer(nn.Module):
 
 @pytest.mark.parametrize("fn,op,kind_words", [
     (torch.abs, "aten.abs.default", "R5'"),
-    (lambda y: torch.cumsum(y, 2), "aten.cumsum.default", "new rule"),
-    (lambda y: y.sort(dim=3).values, "aten.sort.default", "new rule"),
+    (lambda y: torch.cummax(y, 2).values, "aten.cummax.default", "new rule"),
+    (lambda y: torch.log_softmax(y, 3), "aten.log_softmax.int", "log Σ exp"),
 ])
 def test_unsupported_op_is_named_with_module_path_and_rule_kind(fn, op, kind_words):
     model = _Outer(fn).double()

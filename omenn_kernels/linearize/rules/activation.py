@@ -102,7 +102,8 @@ register([aten.relu, aten.leaky_relu, aten.hardshrink],
               held_multipliers=False, multiplier_args=(0,)))
 register([aten.gelu, aten.silu, aten.hardswish, aten.elu, aten.celu, aten.selu, aten.hardtanh,
           aten.relu6, aten.tanh, aten.softplus, aten.mish, aten.softshrink, aten.clamp.default,
-          aten.clamp_min.default, aten.clamp_max.default, aten.log_sigmoid],
+          aten.clamp_min.default, aten.clamp_max.default, aten.log_sigmoid, aten.sin, aten.cos, aten.tan,
+          aten.asin, aten.acos, aten.atan, aten.sinh, aten.cosh, aten.asinh, aten.atanh, aten.expm1, aten.log1p],
          Rule("R4 elementwise activation", _activation, _fused_activation, fused_differentiable=True,
               multiplier_args=(0,)))
 register([aten.sigmoid, aten.hardsigmoid],

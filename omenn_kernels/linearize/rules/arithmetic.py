@@ -102,7 +102,7 @@ register([aten.mul.Tensor, aten.mul.Scalar],
 register([aten.div.Tensor, aten.div.Scalar],
          Rule("R8 divided by a constant or gate", _scale, factor_args=(1,), multiplier_args=(1,),
               held_multipliers=False))
-register([aten.div.Tensor_mode], Rule("R8 divided by a constant or gate", _div_rounding, held_multipliers=False))
+register([aten.div.Tensor_mode, aten.div.Scalar_mode], Rule("R8 divided by a constant or gate", _div_rounding, held_multipliers=False))
 register([aten.neg], Rule("R8 scaled by -1", _neg, held_multipliers=False))
 register([aten.addcmul], Rule("R1' addcmul (R7' + R8)", _addcmul, factor_args=(1, 2), held_multipliers=False))
 register([aten.addcdiv], Rule("R1' addcdiv (R7' + R8)", _addcmul, factor_args=(2,), held_multipliers=False))

@@ -4,7 +4,10 @@ R13 (average/adaptive pooling, mean and sum over dims): the value as usual; the 
 pooled the same way and renormalized to stay 1 (``S/stopgrad(S)``, padding counts).
 R13' (max pooling): the value's gradient goes to the arg-max; the ones are taken at
 the arg-max position.
-R14 (interpolation): the ones interpolated the same way, renormalized.
+R14 (interpolation): the ones interpolated the same way, renormalized; ``grid_sample``
+with a CONST grid is an interpolation too.
+R1' sums along the input (``cumsum``, ``col2im``'s sums of overlapping patches) are R13's
+sums: the ones summed the same way and renormalized.
 """
 
 from __future__ import annotations
@@ -21,13 +24,18 @@ _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _CHANNELS_LAST_FROM = 16  # channels; with fewer (an RGB image) the copy costs more than it saves
 
 
+# Ops that mix the channel dim with others (its size matters), so shared ones are expanded first.
+_FULL_ONES = {aten.col2im.default}
+
+
 def _pooled(op, *args, **kwargs):
     """R13/R14: ``op`` on the value; on the ones, then renormalized."""
     x, *rest = args
     if any(isinstance(a, Live) for a in rest) or any(isinstance(a, Live) for a in kwargs.values()):
         raise RuleError("a pooling parameter depends on the input", "R13 (CONST parameters)")
     value = op(x.value, *rest, **kwargs)
-    return Live(value, renormalized(op(x.ones, *rest, **kwargs)))
+    ones = full_ones(x) if op in _FULL_ONES else x.ones
+    return Live(value, renormalized(op(ones, *rest, **kwargs)))
 
 
 class _SharedAtArgMax(torch.autograd.Function):
@@ -105,5 +113,7 @@ register([aten.max_pool1d, aten.max_pool2d, aten.max_pool3d, aten.max_pool2d_wit
           aten.max_pool3d_with_indices], Rule("R13' max pooling", _max_pool, held_multipliers=False))
 register([aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
           aten.upsample_bilinear2d, aten.upsample_bicubic2d, aten.upsample_linear1d,
-          aten.upsample_trilinear3d, aten._upsample_bilinear2d_aa, aten._upsample_nearest_exact2d],
+          aten.upsample_trilinear3d, aten._upsample_bilinear2d_aa, aten._upsample_nearest_exact2d,
+          aten.grid_sampler_2d, aten.grid_sampler_3d],
          Rule("R14 interpolation", _pooled, held_multipliers=False))
+register([aten.cumsum, aten.col2im], Rule("R1' sums along the input (R13)", _pooled, held_multipliers=False))

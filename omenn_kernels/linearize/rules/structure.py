@@ -1,7 +1,9 @@
 """R10–R12: structure, zero padding, and constants joined to LIVE tensors.
 
 R10: view, reshape, permute, slicing, indexing, splitting, joining, copies and casts
-act on the ones channel exactly as on the value.
+act on the ones channel exactly as on the value; so do the R1' selections that copy
+positions (``diagonal``, reflection and replication padding, ``im2col``, an embedding
+lookup in a LIVE table).
 R11: zero padding pads the ones with 0 as well.
 R12: a CONST joined to LIVE tensors by cat/stack (class, register and distillation
 tokens) becomes ``c·Ō`` with ``Ō`` the per-sample mean of the ones of every LIVE
@@ -199,6 +201,17 @@ def _joined_ones(op, pieces: list[Live], dim: int) -> torch.Tensor:
     return op(expanded, dim)
 
 
+def constant_as_live(constant: torch.Tensor, live: list[Live]) -> Live:
+    """R12: a CONST tensor (batch first) as ``c·Ō``, ``Ō`` the per-sample mean of the ones over every
+    position of the ``live`` tensors, renormalized (the constant keeps its value where padding
+    lowers the mean)."""
+    counts = [t.value[0].numel() for t in live]
+    mean = sum(t.ones.expand(t.value.shape[0], *t.ones.shape[1:]).flatten(1).mean(1) * n
+               for t, n in zip(live, counts)) / sum(counts)
+    shared = renormalized(mean).view(-1, *([1] * (constant.dim() - 1)))
+    return Live(constant * shared, shared)
+
+
 def _join(op, *args, **kwargs):
     """R10 for LIVE-only joins; R12 when CONST tensors are joined to LIVE ones."""
     bound = arguments(op, args, kwargs)
@@ -211,14 +224,7 @@ def _join(op, *args, **kwargs):
         if dim % (live[0].value.dim() + (op is aten.stack.default)) == 0:
             raise RuleError("CONST tensors are joined to LIVE ones along the batch dimension",
                             "R12 along a non-batch dimension")
-        # Per-sample mean of the ones over every position of the LIVE tensors in the join.
-        counts = [t.value[0].numel() for t in live]
-        mean = sum(t.ones.expand(t.value.shape[0], *t.ones.shape[1:]).flatten(1).mean(1) * n
-                   for t, n in zip(live, counts)) / sum(counts)
-        shared = renormalized(mean)  # the constant keeps its value where padding lowers the mean
-        tensors = [t if isinstance(t, Live) else
-                   Live(t * shared.view(-1, *([1] * (t.dim() - 1))), shared.view(-1, *([1] * (t.dim() - 1))))
-                   for t in tensors]
+        tensors = [t if isinstance(t, Live) else constant_as_live(t, live) for t in tensors]
     value = op([t.value for t in tensors], dim)
     return Live(value, _joined_ones(op, tensors, dim))
 
@@ -231,14 +237,17 @@ STRUCTURE_OPS = [
     aten.repeat, aten.narrow, aten.movedim, aten.pixel_shuffle, aten.pixel_unshuffle,
     aten.channel_shuffle, aten.unfold, aten.to, aten._to_copy, aten.type_as, aten.expand_as,
     aten.view_as, aten.reshape_as, aten.tensor_split, aten.index_select, aten.lift_fresh_copy,
-    aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor,
+    aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor, aten.diagonal, aten.embedding,
+    aten.reflection_pad1d, aten.reflection_pad2d, aten.reflection_pad3d, aten.replication_pad1d,
+    aten.replication_pad2d, aten.replication_pad3d, aten.im2col,
 ]
 register(STRUCTURE_OPS, Rule("R10 structure", same_on_ones, transparent=True, held_multipliers=False))
 register([aten.dropout, aten.feature_dropout, aten.alpha_dropout],
          Rule("R10 eval-mode dropout (identity)", _eval_dropout, transparent=True,
               held_multipliers=False))
 register([aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.new_zeros,
-          aten.new_ones, aten.new_empty, aten.new_full, aten.sym_size, aten.sym_numel, aten.sym_stride],
+          aten.new_ones, aten.new_empty, aten.new_full, aten.sym_size, aten.sym_numel, aten.sym_stride,
+          aten.sym_storage_offset, aten.fill.Scalar],
          Rule("shape only (CONST)", None, shape_only=True))
 register([aten._assert_tensor_metadata],
          Rule("R10 metadata check", _metadata_check, transparent=True, held_multipliers=False))
