@@ -11,22 +11,15 @@ the reference: ``rtol=1e-9``, ``atol=1e-12·max|C|`` (``1e-6·max|C|`` for the L
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn as nn
 from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM, ViTConfig,
                           ViTForImageClassification)
 
 from omenn_kernels import Explainer, explain
-from omenn_kernels.backends import compiled
 from omenn_kernels.testing import randomize_
 
 DT = torch.float64
-
-
-@pytest.fixture
-def traced_compiler(monkeypatch):
-    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -40,7 +33,7 @@ def _assert_backends_agree(explanations: dict, atol: float = 1e-12) -> None:
                                    atol=atol * float(reference.contribution.abs().max()))
 
 
-def test_a_vit_returning_its_hidden_states_is_explained_on_its_logits(traced_compiler):
+def test_a_vit_returning_its_hidden_states_is_explained_on_its_logits():
     config = ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                        intermediate_size=64, num_labels=5, output_hidden_states=True)
     model = randomize_(ViTForImageClassification(config), seed=1).to(DT).eval()
@@ -83,7 +76,7 @@ def _embedded(model, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return model.get_input_embeddings()(ids), mask
 
 
-def test_a_bert_encoder_gives_each_token_its_contribution_and_padding_exactly_zero(traced_compiler):
+def test_a_bert_encoder_gives_each_token_its_contribution_and_padding_exactly_zero():
     bert = _bert()
     embeddings, mask = _embedded(bert, seed=4)
     model = OnEmbeddings(bert, mask)
@@ -124,7 +117,7 @@ class NextToken(nn.Module):
         return self.model(inputs_embeds=embeddings, use_cache=False)
 
 
-def test_a_llama_style_model_explains_its_next_token_logit(traced_compiler):
+def test_a_llama_style_model_explains_its_next_token_logit():
     config = LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=48, max_position_embeddings=32,
                          tie_word_embeddings=False)

@@ -87,8 +87,8 @@ def test_the_traced_attention_is_one_block_where_eager_runs_it_in_chunks(traced,
     assert not [t for t in targets if t.endswith("_out") or ".out" in t]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
-@pytest.mark.parametrize("name", ["vit", "cnn"])
+@pytest.mark.parametrize("name, dtype", [("vit", torch.float64), ("cnn", torch.float64), ("cnn", torch.float32)],
+                         ids=["vit-float64", "cnn-float64", "cnn-float32"])
 def test_compiled_equals_reference_for_every_kind_of_target(name, dtype, traced):
     """The predicted class, an int, indices, contrastive read-out weights and several read-outs."""
     model, x = _model(name, dtype)
@@ -212,8 +212,9 @@ def test_in_half_precision_the_compiled_graph_is_held_to_its_logits_and_complete
         Explainer(model, backend="compiled")(x)
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("name", ["vit", "cnn", "efficientnet"])
+@pytest.mark.parametrize("name, device", [("vit", "cpu"), ("cnn", "cpu"), ("vit", "cuda"), ("cnn", "cuda"),
+                                          ("efficientnet", "cuda")],
+                         ids=["vit-cpu", "cnn-cpu", "vit-cuda", "cnn-cuda", "efficientnet-cuda"])
 def test_the_ops_traced_as_aten_math_equal_the_reference(name, device, traced, monkeypatch):
     """The decomposition table of a trace on each device (:func:`~omenn_kernels.ops.traced_as_aten`),
     run on the CPU: float64, equal to the reference; the graph calls no fused op but those the
