@@ -6,9 +6,11 @@ ones checks for the input's shape (:class:`~omenn_kernels.linearize.values.OnesC
 so that nothing is read back to the host afterwards. It then traces the whole
 explanation — the linearized forward, the read-out and the backward to the input and
 the ones, every read-out of ``explain_targets`` included — with ``make_fx`` into one aten
-graph, and compiles that graph (Inductor; CUDA graphs on CUDA, where the fused ops but
-attention and the convolution's ones backward are traced as their aten math, so that
-Inductor fuses them: :func:`~omenn_kernels.ops.traced_as_aten`). Later calls with the
+graph, folds its shape-only part (the ones channel's forward) into constants
+(:mod:`~omenn_kernels.backends.shape_only`), and compiles that graph (Inductor; CUDA
+graphs on CUDA, where the fused ops but attention and the convolution's ones backward
+are traced as their aten math, so that Inductor fuses them:
+:func:`~omenn_kernels.ops.traced_as_aten`). Later calls with the
 same signature run the compiled graph only: no Python per node, no rule dispatch. A
 program that serves several batch sizes (:func:`~omenn_kernels.capture.capture`) is
 traced and compiled once per batch size, without capturing or linearizing again.

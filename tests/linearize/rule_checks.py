@@ -93,6 +93,25 @@ def gradient(model, x, target):
     return grad
 
 
+def assert_written_out(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """``actual`` equals a written-out form: ``rtol=1e-9``, ``atol=1e-12·max|expected|``."""
+    expected = expected.detach()
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-12 * float(expected.abs().max()))
+
+
+def on_both_backends(model: nn.Module, x: torch.Tensor, target: int, **kwargs):
+    """The reference explanation, after checking the fused backend's against it and its completeness
+    (``|Σ C − ŷ| / |ŷ| ≤ 1e-10``)."""
+    from omenn_kernels import explain
+
+    reference = explain(model, x, target, backend="reference", **kwargs)
+    fused = explain(model, x, target, backend="fused", **kwargs)
+    assert_written_out(fused.contribution, reference.contribution)
+    assert_written_out(fused.weight, reference.weight)
+    assert float(reference.completeness_error().max()) <= 1e-10
+    return reference
+
+
 def assert_sums_to_logit(e, model, x, target, rtol: float):
     """Σ_hw C equals the model's own output (relative ``rtol``, absolute 1e-12)."""
     torch.testing.assert_close(e.contribution.sum((1, 2)), model(x)[:, target].detach(), rtol=rtol, atol=1e-12)

@@ -17,9 +17,14 @@ from omenn_kernels.linearize.rules import refused  # noqa: F401  (registers the 
 
 
 def _core_operations() -> list[torch._ops.OpOverload]:
-    """Functional overloads tagged core (no ``out=`` and no in-place variants)."""
+    """Functional overloads tagged core (no ``out=`` and no in-place variants).
+
+    Listed from every registered aten schema: ``dir(torch.ops.aten)`` shows only the
+    packets that the process has touched so far."""
+    names = {schema.name.split("::")[1] for schema in torch._C._jit_get_all_schemas()
+             if schema.name.startswith("aten::")}
     found = []
-    for name in dir(torch.ops.aten):
+    for name in sorted(names):
         packet = getattr(torch.ops.aten, name, None)
         if not isinstance(packet, torch._ops.OpOverloadPacket):
             continue

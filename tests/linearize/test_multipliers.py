@@ -17,32 +17,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from rule_checks import assert_written_out, on_both_backends, rand
+
 from omenn_kernels import UnsupportedOpError, explain
 
 DT = torch.float64
 F_IN, HIDDEN, K = 6, 8, 3
 
 
-def _x(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
-
-
 def _parameter(*shape: int, seed: int) -> nn.Parameter:
-    return nn.Parameter(_x(*shape, seed=seed))
-
-
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    expected = expected.detach()
-    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-12 * float(expected.abs().max()))
-
-
-def _both_backends(model: nn.Module, x: torch.Tensor, target: int, **kwargs):
-    reference = explain(model, x, target, backend="reference", **kwargs)
-    fused = explain(model, x, target, backend="fused", **kwargs)
-    _assert_close(fused.contribution, reference.contribution)
-    _assert_close(fused.weight, reference.weight)
-    assert float(reference.completeness_error().max()) <= 1e-10
-    return reference
+    return nn.Parameter(rand(*shape, seed=seed))
 
 
 class RMSNormHead(nn.Module):
@@ -59,12 +43,12 @@ class RMSNormHead(nn.Module):
 
 
 def test_rms_normalization_holds_its_normalizer():
-    model, x = RMSNormHead(), _x(4, F_IN, seed=2)
-    e = _both_backends(model, x, 1)
+    model, x = RMSNormHead(), rand(4, F_IN, seed=2)
+    e = on_both_backends(model, x, 1)
     held = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)  # one number per row, held
     row = model.head.weight[1] * model.gamma
-    _assert_close(e.weight, held * row)
-    _assert_close(e.bias, model.head.bias[1].detach().expand(4))
+    assert_written_out(e.weight, held * row)
+    assert_written_out(e.bias, model.head.bias[1].detach().expand(4))
 
 
 class GatedMLP(nn.Module):
@@ -83,13 +67,13 @@ class GatedMLP(nn.Module):
 
 
 def test_a_gated_mlp_is_linear_in_its_up_projection_with_the_silu_held():
-    model, x = GatedMLP(), _x(5, F_IN, seed=3)
-    e = _both_backends(model, x, 2)
+    model, x = GatedMLP(), rand(5, F_IN, seed=3)
+    e = on_both_backends(model, x, 2)
     with torch.no_grad():
         gate = F.silu(model.gate(x))  # (B, HIDDEN), held
         scaled = model.down.weight[2] * gate  # diag(g) folded into the read-out row, per sample
-        _assert_close(e.weight, scaled @ model.up.weight)
-        _assert_close(e.bias, scaled @ model.up.bias + model.down.bias[2])
+        assert_written_out(e.weight, scaled @ model.up.weight)
+        assert_written_out(e.bias, scaled @ model.up.bias + model.down.bias[2])
 
 
 class GlobalResponseNorm(nn.Module):
@@ -109,16 +93,16 @@ class GlobalResponseNorm(nn.Module):
 
 
 def test_global_response_normalization_holds_its_response():
-    model, x = GlobalResponseNorm(4), _x(2, 4, 3, 3, seed=6)
-    e = _both_backends(model, x, 0)
+    model, x = GlobalResponseNorm(4), rand(2, 4, 3, 3, seed=6)
+    e = on_both_backends(model, x, 0)
     with torch.no_grad():
         channels_last = x.permute(0, 2, 3, 1)
         norm = torch.linalg.vector_norm(channels_last, ord=2, dim=(1, 2), keepdim=True)
         response = (norm / (norm.mean(-1, keepdim=True) + 1e-6)).flatten(1)  # (B, C), held
         per_channel = model.head.weight[0] * (1 + model.gamma * response) / 9  # mean over 3×3
-        _assert_close(e.weight, per_channel[:, :, None, None].expand_as(x))
+        assert_written_out(e.weight, per_channel[:, :, None, None].expand_as(x))
         bias = (model.head.weight[0] @ model.beta + model.head.bias[0]) / 9  # per pixel, spread by the mean
-        _assert_close(e.bias, bias.expand(2, 3, 3))
+        assert_written_out(e.bias, bias.expand(2, 3, 3))
 
 
 class AddedNormalizer(nn.Module):
@@ -128,13 +112,13 @@ class AddedNormalizer(nn.Module):
 
 def test_a_product_of_two_multipliers_stays_refused():
     with pytest.raises(UnsupportedOpError, match=r"aten\.mul\.Tensor") as info:
-        explain(GatedMLP(up_activation=F.gelu), _x(2, F_IN), 0)
+        explain(GatedMLP(up_activation=F.gelu), rand(2, F_IN, seed=0), 0)
     assert "R9" in info.value.rule_kind
 
 
 def test_a_multiplier_used_other_than_as_a_factor_is_refused_naming_r5_prime():
     with pytest.raises(UnsupportedOpError, match=r"aten\.(rsqrt|pow)") as info:
-        explain(AddedNormalizer(), _x(2, F_IN), 0)
+        explain(AddedNormalizer(), rand(2, F_IN, seed=0), 0)
     assert "R5'" in info.value.rule_kind
 
 
@@ -172,11 +156,11 @@ class WrittenWithMatmul(nn.Module):
 
 
 def test_einsum_and_addcmul_equal_the_same_model_written_with_matmul():
-    model, x = EinsumModel(), _x(2, 3, 4, 4, seed=10)
-    e = _both_backends(model, x, 1)
+    model, x = EinsumModel(), rand(2, 3, 4, 4, seed=10)
+    e = on_both_backends(model, x, 1)
     written = explain(WrittenWithMatmul(model), x, 1, backend="reference")
-    _assert_close(e.contribution, written.contribution)
-    _assert_close(e.weight, written.weight)
+    assert_written_out(e.contribution, written.contribution)
+    assert_written_out(e.weight, written.weight)
 
 
 class EinsumTable(nn.Module):
@@ -189,10 +173,10 @@ class EinsumTable(nn.Module):
 
 
 def test_an_einsum_with_a_constant_is_its_matrix():
-    model, x = EinsumTable(), _x(3, F_IN, seed=13)
-    e = _both_backends(model, x, 2)
-    _assert_close(e.weight, model.weight[:, 2].detach().expand(3, F_IN))
-    _assert_close(e.bias, model.bias[2].detach().expand(3))
+    model, x = EinsumTable(), rand(3, F_IN, seed=13)
+    e = on_both_backends(model, x, 2)
+    assert_written_out(e.weight, model.weight[:, 2].detach().expand(3, F_IN))
+    assert_written_out(e.bias, model.bias[2].detach().expand(3))
 
 
 class EllipsisEinsum(nn.Module):
@@ -202,7 +186,7 @@ class EllipsisEinsum(nn.Module):
 
 def test_an_einsum_with_an_ellipsis_is_refused_naming_the_equation():
     with pytest.raises(UnsupportedOpError, match=r"aten\.einsum.*without ellipsis"):
-        explain(EllipsisEinsum(), _x(2, F_IN), 0)
+        explain(EllipsisEinsum(), rand(2, F_IN, seed=0), 0)
 
 
 @pytest.mark.parametrize("model_class", [GatedMLP, RMSNormHead])
@@ -211,9 +195,9 @@ def test_held_multipliers_follow_the_parameters_in_a_training_gradient(model_cla
     """``create_graph``'s total parameter gradient of a loss on the explanation equals central
     finite differences along a random direction (step 1e-6; agreement to 1e-6 relative)."""
     torch.manual_seed(0)
-    model, x = model_class(), _x(3, F_IN, seed=14)
+    model, x = model_class(), rand(3, F_IN, seed=14)
     parameter = next(model.parameters())
-    direction = _x(*parameter.shape, seed=15)
+    direction = rand(*parameter.shape, seed=15)
 
     def loss(e):
         return (e.weight ** 2).sum() + (e.bias ** 2).sum()

@@ -17,36 +17,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from omenn_kernels import explain
+from rule_checks import assert_written_out, on_both_backends, rand
 
 DT = torch.float64
 B, F_IN, HIDDEN, K = 3, 6, 8, 4
 
 
-def _x(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=DT)
-
-
-def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    expected = expected.detach()
-    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-12 * float(expected.abs().max()))
-
-
-def _explained(model: nn.Module, x: torch.Tensor, target: int, **kwargs):
-    reference = explain(model, x, target, backend="reference", **kwargs)
-    fused = explain(model, x, target, backend="fused", **kwargs)
-    _assert_close(fused.weight, reference.weight)
-    _assert_close(fused.contribution, reference.contribution)
-    assert float(reference.completeness_error().max()) <= 1e-10
-    return reference
-
-
 def _assert_is_the_gradient(model: nn.Module, x: torch.Tensor, target: int, **kwargs):
     """A piecewise-linear model: ``C_w`` is the gradient of the logit, and the explanation is complete."""
-    e = _explained(model, x, target, **kwargs)
+    e = on_both_backends(model, x, target, **kwargs)
     inputs = x.clone().requires_grad_(True)
     (gradient,) = torch.autograd.grad(model(inputs)[:, target].sum(), inputs)
-    _assert_close(e.weight, gradient)
+    assert_written_out(e.weight, gradient)
     return e
 
 
@@ -60,7 +42,7 @@ class _Net(nn.Module):
         self.head = nn.Linear(width, K).to(DT)
         self.middle = middle
         self.register_buffer("mask", torch.rand(HIDDEN, generator=torch.Generator().manual_seed(seed)) > 0.5)
-        self.register_buffer("bound", _x(HIDDEN, seed=seed + 7))
+        self.register_buffer("bound", rand(HIDDEN, seed=seed + 7))
 
     def forward(self, x):
         return self.head(self.middle(self, self.first(x), self.second(x)))
@@ -85,15 +67,15 @@ SELECTIONS = {
 
 @pytest.mark.parametrize("name", list(SELECTIONS))
 def test_selections_are_linear_with_the_choice_held(name):
-    _assert_is_the_gradient(_Net(SELECTIONS[name]), _x(B, F_IN, seed=2), 1)
+    _assert_is_the_gradient(_Net(SELECTIONS[name]), rand(B, F_IN, seed=2), 1)
 
 
 def test_where_of_a_comparison_is_relu():
-    x = _x(B, F_IN, seed=3)
-    selected = _explained(_Net(SELECTIONS["where_of_a_held_comparison"]), x, 2)
-    relu = _explained(_Net(lambda m, a, b: torch.relu(a)), x, 2)
-    _assert_close(selected.weight, relu.weight)
-    _assert_close(selected.bias, relu.bias)
+    x = rand(B, F_IN, seed=3)
+    selected = on_both_backends(_Net(SELECTIONS["where_of_a_held_comparison"]), x, 2)
+    relu = on_both_backends(_Net(lambda m, a, b: torch.relu(a)), x, 2)
+    assert_written_out(selected.weight, relu.weight)
+    assert_written_out(selected.bias, relu.bias)
 
 
 WRITES = {
@@ -104,6 +86,7 @@ WRITES = {
     "scatter_add": lambda m, a, b: a.scatter_add(1, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]).expand(a.shape[0], -1), b),
     "scatter_of_a_scalar": lambda m, a, b: a.scatter(1, torch.tensor([[1, 3]]).expand(a.shape[0], -1), 0.5),
     "select_scatter": lambda m, a, b: a.select_scatter(b[:, 2], 1, 5),
+    "copy": lambda m, a, b: a.clone().copy_(b.flip(1)),
     "index_put_accumulating": lambda m, a, b: a.T.index_put((torch.tensor([1, 2, 1]),), b[:, :3].T,
                                                             accumulate=True).T,
 }
@@ -119,7 +102,7 @@ def _index_put(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(WRITES))
 def test_writes_with_constant_indices_are_linear(name):
     width = 2 * HIDDEN if name in ("slice_scatter_into_zeros", "index_put") else HIDDEN
-    _assert_is_the_gradient(_Net(WRITES[name], width), _x(B, F_IN, seed=4), 0)
+    _assert_is_the_gradient(_Net(WRITES[name], width), rand(B, F_IN, seed=4), 0)
 
 
 class Signal(nn.Module):
@@ -140,7 +123,7 @@ class Signal(nn.Module):
 
 
 def test_padding_by_copies_and_a_diagonal_are_structure():
-    _assert_is_the_gradient(Signal(), _x(B, 2, 12, seed=6), 3)
+    _assert_is_the_gradient(Signal(), rand(B, 2, 12, seed=6), 3)
 
 
 class Activated(nn.Module):
@@ -160,20 +143,20 @@ class Activated(nn.Module):
 def test_added_elementwise_activations_are_r4(activation, at_zero):
     """``f(z) = f(0) + z·ξ(z)``: ``C_w = w_k·diag(ξ(z))·W``, and ``f(0)`` is carried by the ones."""
     model = Activated(activation)
-    x = _x(B, F_IN, seed=8) * 0.3  # inside acos's domain
-    e = _explained(model, x, 1)
+    x = rand(B, F_IN, seed=8) * 0.3  # inside acos's domain
+    e = on_both_backends(model, x, 1)
     z = model.first(x).detach()
     xi = (activation(z) - at_zero) / z
-    _assert_close(e.weight, (model.head.weight[1] * xi) @ model.first.weight)
+    assert_written_out(e.weight, (model.head.weight[1] * xi) @ model.first.weight)
     expected_bias = (model.head.weight[1] * xi) @ model.first.bias + model.head.weight[1] @ torch.full(
         (HIDDEN,), at_zero, dtype=DT) + model.head.bias[1]
-    _assert_close(e.bias, expected_bias)
+    assert_written_out(e.bias, expected_bias)
 
 
 def test_amax_used_as_a_factor_is_a_held_multiplier():
     """``a / max|a|``: the maximum held, ``C_w = w_k·W / m`` per sample."""
     model = _Net(lambda m, a, b: a / a.abs().amax(-1, keepdim=True))
-    x = _x(B, F_IN, seed=9)
-    e = _explained(model, x, 2)
+    x = rand(B, F_IN, seed=9)
+    e = on_both_backends(model, x, 2)
     held = model.first(x).detach().abs().amax(-1, keepdim=True)
-    _assert_close(e.weight, (model.head.weight[2] @ model.first.weight).expand(B, -1) / held)
+    assert_written_out(e.weight, (model.head.weight[2] @ model.first.weight).expand(B, -1) / held)

@@ -13,8 +13,9 @@ Each is linear in its input-dependent operands once the choice of positions is f
   selected positions held (the arg-max of the held values, as R13' max pooling holds it),
   the values and the ones read there. Used only as a factor, ``amax`` is a held
   multiplier instead (R5': ``x / amax(x)``).
+- ``copy``: the source, broadcast to the target's shape.
 - writes with CONST indices (``scatter``, ``index_put``, ``select_scatter``,
-  ``slice_scatter``, ``masked_scatter``, ``copy``): the write applied to the values and,
+  ``slice_scatter``): the write applied to the values and,
   with the same indices, to the ones. A CONST operand enters as ``t·Ō`` with ``Ō`` the
   per-sample mean of the LIVE operands' ones (R12). Accumulating writes (``scatter_add``,
   ``index_put(accumulate=True)``, ``scatter_reduce`` with ``sum``/``mean``) sum values,
@@ -46,9 +47,10 @@ def _branch(branch, other: Live) -> Live:
     if isinstance(branch, Gate):
         raise RuleError("an input-dependent constant (a gate) is selected in place of a LIVE value; gates "
                         "may only multiply", "R5 (gates multiply LIVE tensors)")
-    is_zero = isinstance(branch, (int, float, bool)) and branch == 0
-    ones = other.ones if is_zero else reached(other.ones)
-    return Live(branch * ones if not is_zero else torch.zeros_like(other.value), ones)
+    if isinstance(branch, (int, float, bool)) and branch == 0:
+        return Live(torch.zeros_like(other.value), other.ones)
+    ones = reached(other.ones)
+    return Live(branch * ones, ones)
 
 
 def selected(condition: torch.Tensor, a, b) -> Live:
@@ -69,7 +71,7 @@ def _masked_fill(op, *args, **kwargs):
     x, mask, fill = arguments(op, args, kwargs)[:3]
     if not isinstance(x, Live):
         raise RuleError("the fill value depends on the input", "R1' masked_fill of a LIVE tensor")
-    return selected(_condition(mask), fill.value if isinstance(fill, Gate) else fill, x)
+    return selected(_condition(mask), fill, x)
 
 
 def _extremum(op, *args, **kwargs):
@@ -96,8 +98,6 @@ def _reduced_extremum(op, *args, **kwargs):
     """``amax``/``amin``/``max(dim)``/``min(dim)``/``max()``/``min()``: the value and ones at the held arg-max."""
     bound = arguments(op, args, kwargs)
     x = bound[0]
-    if not isinstance(x, Live):
-        raise RuleError("the reduced tensor is not input-dependent", "R1' held selections")
     if op in (aten.max.default, aten.min.default):
         dims, keepdim = list(range(x.value.dim())), False
     elif op in (aten.max.dim, aten.min.dim):
@@ -134,8 +134,7 @@ def _ordered(op, *args, **kwargs):
 _WRITES = {
     aten.scatter.src: (0, 3, False), aten.scatter.value: (0, 3, False), aten.scatter_add.default: (0, 3, True),
     aten.index_put.default: (0, 2, None), aten.select_scatter.default: (0, 1, False),
-    aten.slice_scatter.default: (0, 1, False), aten.masked_scatter.default: (0, 2, False),
-    aten.copy.default: (0, 1, False), aten.scatter_reduce.two: (0, 3, True),
+    aten.slice_scatter.default: (0, 1, False), aten.scatter_reduce.two: (0, 3, True),
 }
 
 
@@ -181,7 +180,18 @@ register([aten.maximum.default, aten.minimum.default],
 register([aten.clamp.Tensor, aten.clamp_min.Tensor, aten.clamp_max.Tensor],
          Rule("R1' clamp with tensor bounds (choices held)", _clamp, held_multipliers=False))
 register([aten.amax, aten.amin, aten.max.dim, aten.min.dim, aten.max.default, aten.min.default],
-         Rule("R1' held selection (arg-max)", _reduced_extremum, multiplier_args=(0,), held_multipliers=False))
+         Rule("R1' held selection (arg-max)", _reduced_extremum, multiplier_args=(0,)))
 register([aten.sort.default, aten.topk.default],
          Rule("R1' held selection (order)", _ordered, held_multipliers=False))
+def _copied(op, *args, **kwargs):
+    """``copy(target, source)``: the source, broadcast to the target's shape and cast to its dtype."""
+    target, source = arguments(op, args, kwargs)[:2]
+    if not isinstance(source, Live):
+        raise RuleError("a tensor that does not depend on the input is copied over one that does",
+                        "R1' copy of a LIVE source")
+    reference = plain(target)
+    return Live(source.value.to(reference.dtype).expand(reference.shape), source.ones)
+
+
+register([aten.copy.default], Rule("R1' copy (R10)", _copied, held_multipliers=False))
 register(list(_WRITES), Rule("R1' write with CONST indices", _written, held_multipliers=False))

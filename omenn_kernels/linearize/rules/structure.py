@@ -2,8 +2,7 @@
 
 R10: view, reshape, permute, slicing, indexing, splitting, joining, copies and casts
 act on the ones channel exactly as on the value; so do the R1' selections that copy
-positions (``diagonal``, reflection and replication padding, ``im2col``, an embedding
-lookup in a LIVE table).
+positions (``diagonal``, reflection and replication padding, ``im2col``).
 R11: zero padding pads the ones with 0 as well.
 R12: a CONST joined to LIVE tensors by cat/stack (class, register and distillation
 tokens) becomes ``c·Ō`` with ``Ō`` the per-sample mean of the ones of every LIVE
@@ -237,7 +236,7 @@ STRUCTURE_OPS = [
     aten.repeat, aten.narrow, aten.movedim, aten.pixel_shuffle, aten.pixel_unshuffle,
     aten.channel_shuffle, aten.unfold, aten.to, aten._to_copy, aten.type_as, aten.expand_as,
     aten.view_as, aten.reshape_as, aten.tensor_split, aten.index_select, aten.lift_fresh_copy,
-    aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor, aten.diagonal, aten.embedding,
+    aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor, aten.diagonal,
     aten.reflection_pad1d, aten.reflection_pad2d, aten.reflection_pad3d, aten.replication_pad1d,
     aten.replication_pad2d, aten.replication_pad3d, aten.im2col,
 ]
@@ -247,7 +246,7 @@ register([aten.dropout, aten.feature_dropout, aten.alpha_dropout],
               held_multipliers=False))
 register([aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.new_zeros,
           aten.new_ones, aten.new_empty, aten.new_full, aten.sym_size, aten.sym_numel, aten.sym_stride,
-          aten.sym_storage_offset, aten.fill.Scalar],
+          aten.sym_storage_offset, aten.sym_is_contiguous, aten.fill.Scalar],
          Rule("shape only (CONST)", None, shape_only=True))
 register([aten._assert_tensor_metadata],
          Rule("R10 metadata check", _metadata_check, transparent=True, held_multipliers=False))
