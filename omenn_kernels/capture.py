@@ -32,6 +32,7 @@ from torch.utils._sympy.numbers import int_oo
 from torch.nn.modules import module as module_internals
 
 from .errors import CaptureError, InputError, OutputError
+from .folding import fold_batch_norms
 
 log = logging.getLogger("omenn_kernels.capture")
 
@@ -159,7 +160,8 @@ def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
             module.training = flag
 
 
-def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelector = None) -> CapturedModel:
+def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelector = None,
+            fold_batch_norm: bool = True) -> CapturedModel:
     """Capture ``model(example)`` with ``torch.export`` (non-strict) in eval semantics, the output
     tensor that ``output`` selects (:func:`selected_output`) as the graph's one output.
 
@@ -168,6 +170,9 @@ def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelecto
     a forward that fixes its batch size (or that export cannot trace with a symbolic one)
     is captured for the example's shape alone (``CapturedModel.batch_dynamic``). A batch
     of one is always captured on its own: export specializes sizes 0 and 1.
+
+    ``fold_batch_norm``: merge each eval-mode BatchNorm into the convolution that feeds it
+    (:mod:`~omenn_kernels.folding`; the same explanation, up to rounding).
 
     Thread-safe: captures run one at a time in the process (see :data:`CAPTURE_LOCK`).
 
@@ -205,6 +210,11 @@ def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelecto
                            "without state changes")
     if not hasattr(outputs[0].arg, "name"):
         raise CaptureError("the model's output is not a tensor computed by its forward")
+    if fold_batch_norm:
+        with CAPTURE_LOCK:  # the folded nodes' shapes are traced in export's fake mode
+            folded = fold_batch_norms(program.graph, user_inputs[0].arg.name)
+        if folded:
+            log.debug("%s: %d BatchNorms folded into convolutions", type(model).__name__, folded)
     bindings = {
         spec.arg.name: (spec.kind, spec.target.removeprefix(_PREFIX)
                         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) else spec.target)

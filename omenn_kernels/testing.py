@@ -19,7 +19,7 @@ from .capture import eval_semantics
 
 def relative_distance(got: torch.Tensor, want: torch.Tensor) -> float:
     """``‖got − want‖ / ‖want‖`` (Frobenius), computed in float64."""
-    got, want = got.double(), want.double()
+    got, want = got.detach().double(), want.detach().double()
     return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
