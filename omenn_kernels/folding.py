@@ -11,7 +11,9 @@ convolution with its bias replaces a convolution, a BatchNorm and their ones wor
 ``W·s`` and ``b·s + t`` are computed in the graph from the parameters and running
 statistics at every call, as the rest of the graph reads them, so optimizer steps and
 ``load_state_dict`` are seen, and a parameter gradient flows to ``W``, ``b``, ``γ`` and ``β``
-as through the unfolded pair.
+as through the unfolded pair. In a traced explanation (the compiled backend),
+:func:`scale_gradients_not_kernels` then has each folded convolution's input gradient
+read ``W`` rather than ``W·s``, so that the folded kernels do not outlive the forward.
 """
 
 from __future__ import annotations
@@ -108,3 +110,62 @@ def _fold(graph: torch.fx.Graph, convolution: torch.fx.Node, norm: torch.fx.Node
         graph.erase_node(user)
     graph.erase_node(norm)
     graph.erase_node(convolution)
+
+
+# The ops of a convolution's input gradient ``(grad, input, kernel, *rest)`` by name, and
+# whether ``rest`` asks for that alone (not transposed, no kernel or bias gradient).
+_INPUT_GRADIENTS = {
+    "aten.convolution_backward.default": lambda rest: not rest[4] and list(rest[-1]) == [True, False, False],
+    "omenn.conv2d_input_grad.default": lambda rest: True,
+}
+
+
+def scale_gradients_not_kernels(graph: torch.fx.Graph) -> int:
+    """In a traced explanation, take the input gradient of each convolution whose kernel is scaled
+    per output channel (``W·s``: a BatchNorm folded in) as ``convᵀ(dy·s, W)`` instead of
+    ``convᵀ(dy, W·s)``; returns the count.
+
+    The two are equal, ``s`` scaling the output channels. The second keeps the folded kernel
+    ``W·s`` from the forward until the backward, a second copy of every folded kernel at the
+    memory peak; the first frees it after the forward convolution, and the scaling of ``dy``
+    joins the elementwise kernel that produces ``dy``.
+    """
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or str(node.target) not in _INPUT_GRADIENTS:
+            continue
+        grad, x, kernel, *rest = node.args
+        split = _kernel_times_scale(kernel)
+        if split is None or not isinstance(grad, torch.fx.Node) or not _INPUT_GRADIENTS[str(node.target)](rest):
+            continue
+        weight, scale = split
+        if len({n.meta["val"].dtype if "val" in n.meta else None for n in (grad, weight, scale)}) != 1:
+            continue
+        # Without fake values: the trace's values come from several fake modes, and the
+        # compiler traces the graph again.
+        with graph.inserting_before(node):
+            channels = graph.call_function(aten.view.default, (scale, [1, -1] + [1] * (weight.meta["val"].dim() - 2)))
+            node.args = (graph.call_function(aten.mul.Tensor, (grad, channels)), x, weight, *rest)
+        rewritten += 1
+    if rewritten:
+        graph.eliminate_dead_code()
+        graph.lint()
+    return rewritten
+
+
+def _kernel_times_scale(kernel) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """``(W, s)`` where ``kernel`` is the folded ``W·s.view(-1, 1, …)`` with ``s`` one value per output channel."""
+    if not isinstance(kernel, torch.fx.Node) or kernel.target is not aten.mul.Tensor or len(kernel.args) != 2:
+        return None
+    weight, scaled = kernel.args
+    if not all(isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor) for n in (weight, scaled)):
+        return None
+    if scaled.target is not aten.view.default or not isinstance(scaled.args[0], torch.fx.Node):
+        return None
+    scale = scaled.args[0]
+    value = scale.meta.get("val")
+    kernel_shape = weight.meta["val"].shape
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.shape[0] != kernel_shape[0] \
+            or list(scaled.meta["val"].shape) != [kernel_shape[0]] + [1] * (len(kernel_shape) - 1):
+        return None
+    return weight, scale

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torchvision
 
-from omenn_kernels import Explainer
-from omenn_kernels.backends import fused, reference
+from omenn_kernels import Explainer, folding
+from omenn_kernels.backends import compiled, fused, reference
 from omenn_kernels.capture import capture
 from omenn_kernels.linearize import linearize
 from omenn_kernels.testing import randomize_, relative_distance
@@ -86,6 +86,30 @@ def test_folded_explanation_equals_unfolded(name: str, backend) -> None:
     for part, name_ in ((0, "weight"), (1, "bias"), (2, "logit")):
         assert relative_distance(got[part], want[part]) < TOLERANCE, name_
     assert relative_distance(got[2], model(x).gather(1, target[:, None])[:, 0]) < TOLERANCE
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compiled_input_gradients_take_the_unfolded_kernels(name: str, monkeypatch) -> None:
+    """In a traced explanation each folded convolution's input gradient is ``convᵀ(dy·s, W)``
+    (:func:`~omenn_kernels.folding.scale_gradients_not_kernels`): no folded kernel reaches a
+    convolution's backward, and the explanation still equals the unfolded reference's."""
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)  # the traced graph, run as it is
+    model = _model(MODELS[name])
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    folded, unfolded = _programs(model, x)
+    target = torch.tensor([2, 0, 1])
+    want = reference.explain_batch(unfolded, model, x, target)
+    for _ in range(2):  # the eager first call, then the traced graph
+        got = compiled.explain_batch(folded, model, x, target)
+    assert compiled.replays(folded, x, target)
+    for part, name_ in ((0, "weight"), (1, "bias"), (2, "logit")):
+        assert relative_distance(got[part], want[part]) < TOLERANCE, name_
+    (explanation,) = folded.compiled.values()
+    nodes = list(explanation.graph.graph.nodes)
+    backward = [n for n in nodes if str(n.target) in folding._INPUT_GRADIENTS]
+    kernels = [n.args[2].target for n in backward]
+    assert aten.mul.Tensor not in kernels
+    assert kernels.count(aten.detach.default) == (3 if name == "pairs" else 20)  # the parameters themselves
 
 
 def test_shared_convolution_output_is_not_folded() -> None:

@@ -17,9 +17,9 @@ from . import compiled, fused, reference
 def _fastest(program, model, x, target, parameter_gradient=None) -> tuple:
     """The backend the committed benchmarks show fastest for first-order explanations on
     the input's device type: ``fused`` on the CPU (``bench/results/end_to_end_cpu.json``,
-    ``compiled_cpu.json``: ``compiled`` is faster at batch 1 and on ViT-B/16 and ResNet-50
-    at batch 8, slower on the parts models at batch 32, and its compilation takes up to
-    minutes per signature, paid back only after a hundred or more batches of one shape),
+    ``compiled_cpu.json``, ``compiled_cpu_parts.json``: ``compiled`` is faster once compiled,
+    but its compilation takes from half a minute to minutes per signature, paid back only
+    after a hundred or more batches of one shape),
     ``reference`` on CUDA
     (``end_to_end_gpu.json``: cuDNN and cuBLAS beat the Triton kernels launched op by op;
     ``compiled_gpu.json``: ``compiled`` takes 0.18–0.22× the reference's time once

@@ -6,14 +6,15 @@ ones checks for the input's shape (:class:`~omenn_kernels.linearize.values.OnesC
 so that nothing is read back to the host afterwards. It then traces the whole
 explanation — the linearized forward, the read-out and the backward to the input and
 the ones, every read-out of ``explain_targets`` included — with ``make_fx`` into one aten
-graph, folds its shape-only part (the ones channel's forward) into constants
-(:mod:`~omenn_kernels.backends.shape_only`), and compiles that graph (Inductor; CUDA
-graphs on CUDA, where the fused ops but attention and the convolution's ones backward
-are traced as their aten math, so that Inductor fuses them:
-:func:`~omenn_kernels.ops.traced_as_aten`). Later calls with the
-same signature run the compiled graph only: no Python per node, no rule dispatch. A
-program that serves several batch sizes (:func:`~omenn_kernels.capture.capture`) is
-traced and compiled once per batch size, without capturing or linearizing again.
+graph, has each folded convolution's input gradient read the unfolded kernel
+(:func:`~omenn_kernels.folding.scale_gradients_not_kernels`), folds its shape-only part
+(the ones channel's forward) into constants (:mod:`~omenn_kernels.backends.shape_only`),
+and compiles that graph (Inductor; CUDA graphs on CUDA). Most fused ops are traced as
+their aten math, so that Inductor fuses them with their neighbours
+(:func:`~omenn_kernels.ops.traced_as_aten`). Later calls with the same signature run
+the compiled graph only: no Python per node, no rule dispatch. A program that serves
+several batch sizes (:func:`~omenn_kernels.capture.capture`) is traced and compiled once
+per batch size, without capturing or linearizing again.
 
 The model's parameters enter the graph as the tensors themselves, so in-place updates
 (optimizer steps, ``load_state_dict``) are seen; a re-bound parameter is a structural
@@ -39,6 +40,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..capture import CAPTURE_LOCK
+from ..folding import scale_gradients_not_kernels
 from ..linearize.program import LinearizedProgram
 from ..ops import traced_as_aten
 from ..readout import ReadoutFunction
@@ -62,7 +64,9 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
 
     cuda = any(t.is_cuda for t in example)
     with torch.no_grad():
-        return compile_fx(graph, example, config_patches={"triton.cudagraphs": cuda})
+        # On the CPU, Inductor's channels-last layout for convolutions copies every kernel and
+        # activation it converts, at a cost in time and memory; it keeps the layout it is given.
+        return compile_fx(graph, example, config_patches={"triton.cudagraphs": cuda, "layout_optimization": cuda})
 
 
 @dataclass(frozen=True)
@@ -176,6 +180,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     start = time.perf_counter()
     try:
         graph = make_fx(explanation, decomposition_table=decompositions)(*example)
+        scale_gradients_not_kernels(graph.graph)
         folded = fold_shape_only(graph, example)
         with torch.no_grad():
             replayed = graph(*example)

@@ -58,21 +58,22 @@ def traced_as_aten(device: torch.device) -> dict:
     activations where Inductor's own kernel makes one. On CUDA every op but attention
     (whose Triton kernels never write the T×T weights) and the convolution's ones backward
     (one Triton kernel where aten needs a window-sum convolution) is traced as aten. On the
-    CPU the activations and the linear layers' input gradient are; the convolution,
-    BatchNorm and the linear layers' forward stay opaque calls (traced, the convolution and
-    BatchNorm made a batch of ResNet-50 slower, and the linear forward made Inductor's code
-    generation several times slower).
+    CPU the activations, the convolutions and the linear layers' input gradient are (a traced
+    convolution is called by the compiled graph itself, not through a custom op's Python
+    call); BatchNorm and the linear layers' forward stay opaque calls (traced, BatchNorm made
+    a batch of ResNet-50 slower, and the linear forward made Inductor's code generation
+    several times slower).
     """
     from . import activation, batch_norm_ones, conv_bias, linear_ones
 
     omenn = torch.ops.omenn
     table = {omenn.activation.default: activation.reference,
              omenn.activation_backward.default: activation.reference_backward,
-             omenn.linear_input_grad.default: linear_ones.input_grad}
+             omenn.linear_input_grad.default: linear_ones.input_grad,
+             omenn.conv2d_ones.default: conv_bias.value_and_ones,
+             omenn.conv2d_input_grad.default: conv_bias.input_grad}
     if device.type == "cuda":
         table.update({omenn.linear_ones.default: linear_ones.value_and_ones,
-                      omenn.conv2d_ones.default: conv_bias.value_and_ones,
-                      omenn.conv2d_input_grad.default: conv_bias.input_grad,
                       omenn.batch_norm_ones.default: batch_norm_ones.value,
                       omenn.batch_norm_ones_backward.default: batch_norm_ones.gradients})
     return table
