@@ -25,8 +25,12 @@ Variants: ``plain``; ``total`` (the default total parameter gradient); ``fixed``
 model's own forward); ``total_stored`` and ``fixed_stored``: the same with the
 reference's maps stored beforehand (a replay buffer of explanations), so a step
 explains only the model being trained (the teacher's logits still come from its
-forward in the step, as in ``plain``). Every variant's models are fresh copies; timing
-starts after one warm-up step (capture included there).
+forward in the step, as in ``plain``). These run on the default backend (``auto``);
+``compiled_total``, ``compiled_fixed``, ``compiled_total_stored`` and
+``compiled_fixed_stored`` are the same on ``backend="compiled"`` (both models'
+explanations; the parameter gradient compiled with the explanation). Every variant's
+models are fresh copies; timing starts after one warm-up step (capture, and the
+compilation, included there).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ from omenn_kernels.models.train import cpu_model
 BATCH = 32
 TEMPERATURE = 2.0
 VARIANTS = ["plain", "total", "fixed", "total_stored", "fixed_stored"]
+COMPILED = "compiled_"
+VARIANTS += [COMPILED + variant for variant in VARIANTS[1:]]
 
 
 @dataclass
@@ -69,8 +75,12 @@ def _device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _backend(variant: str) -> str:
+    return "compiled" if variant.startswith(COMPILED) else "auto"
+
+
 def _parameter_gradient(variant: str) -> str:
-    return "total" if variant.startswith("total") else "fixed_multipliers"
+    return "total" if variant.removeprefix(COMPILED).startswith("total") else "fixed_multipliers"
 
 
 def _reference(model: torch.nn.Module, x: torch.Tensor, labels: torch.Tensor,
@@ -87,14 +97,15 @@ def _consistency_step(name: str, variant: str, batch: Batch) -> Callable[[], Non
     x, labels = batch.x.to(device), batch.labels.to(device)
     reference = _reference(copy.deepcopy(model).eval().requires_grad_(False), x, labels, variant)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
-    shares_forward = name == "parts_vit" and variant.startswith("total")
+    shares_forward = name == "parts_vit" and _parameter_gradient(variant) == "total"
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         if variant == "plain":
             loss = F.cross_entropy(model(x), labels)
         else:
-            regularizer = attribution_consistency(model, reference, x, labels,
+            regularizer = attribution_consistency(model, reference, x, labels, backend=_backend(variant),
+                                                  reference_backend=_backend(variant),
                                                   parameter_gradient=_parameter_gradient(variant))
             logits = regularizer.logits if shares_forward else model(x)
             loss = F.cross_entropy(logits, labels) + regularizer.loss
@@ -125,14 +136,15 @@ def _distillation_step(variant: str, batch: Batch) -> Callable[[], None]:
                 teacher_logits = teacher(x)
             loss = distilled(student(x), teacher_logits)
         else:
-            regularizer = attribution_distillation(student, reference, x, labels,
+            regularizer = attribution_distillation(student, reference, x, labels, backend=_backend(variant),
+                                                   teacher_backend=_backend(variant),
                                                    parameter_gradient=_parameter_gradient(variant))
             if regularizer.reference is not None:
                 teacher_logits = regularizer.reference.logits
             else:
                 with torch.no_grad():
                     teacher_logits = teacher(x)
-            logits = regularizer.logits if variant.startswith("total") else student(x)
+            logits = regularizer.logits if _parameter_gradient(variant) == "total" else student(x)
             loss = distilled(logits, teacher_logits) + regularizer.loss
         loss.backward()
         optimizer.step()

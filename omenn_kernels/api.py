@@ -245,7 +245,7 @@ class Explainer:
         backend: ``"reference"`` (plain PyTorch autograd, the oracle), ``"fused"`` (one ones
             value per pixel, fused ops), ``"compiled"`` (the fused explanation traced once per
             input and target signature into one graph and compiled with Inductor; the
-            first call of a signature runs eagerly and compiles, ``create_graph`` and
+            first call of a signature runs eagerly and compiles, with ``create_graph`` too;
             read-outs given as functions run on ``"fused"``) or ``"auto"``, the default: the
             backend the committed benchmarks show fastest for the input's device type,
             ``"fused"`` on the CPU and ``"reference"`` on CUDA (see
@@ -410,7 +410,8 @@ class Explainer:
                 finite.require()
             program, classes = cached or self.program(x)
             target = checked_target(x.shape[0], classes, x.device)
-            if cached is None or not backends.compiled.replays(program, x, target, parameter_gradient):
+            if cached is None or not backends.compiled.replays(program, self.model, x, target,
+                                                               parameter_gradient):
                 finite.require()
             weight, bias, logit, explained, logits = self._run(program, self.model, x, target,
                                                                parameter_gradient)

@@ -101,7 +101,7 @@ def test_compiled_input_gradients_take_the_unfolded_kernels(name: str, monkeypat
     want = reference.explain_batch(unfolded, model, x, target)
     for _ in range(2):  # the eager first call, then the traced graph
         got = compiled.explain_batch(folded, model, x, target)
-    assert compiled.replays(folded, x, target)
+    assert compiled.replays(folded, model, x, target)
     for part, name_ in ((0, "weight"), (1, "bias"), (2, "logit")):
         assert relative_distance(got[part], want[part]) < TOLERANCE, name_
     (explanation,) = folded.compiled.values()

@@ -20,12 +20,26 @@ The model's parameters enter the graph as the tensors themselves, so in-place up
 (optimizer steps, ``load_state_dict``) are seen; a re-bound parameter is a structural
 change, on which the :class:`~omenn_kernels.api.Explainer` captures and compiles anew.
 
+Explanations differentiable with respect to the parameters (``create_graph``, the
+training path) are traced the same way, the backward to the input and the ones with its
+graph kept: the traced graph computes ``C_w(θ)``, ``C_b(θ)`` with the parameters that
+require a gradient as graph inputs, and the compiler differentiates that graph again
+(Inductor through AOTAutograd: one compiled forward and one compiled backward per
+signature), so that a loss of the explanation sends its gradient to the parameters.
+The trace records an autograd function's forward but not its backward, so the logits'
+parameter gradient comes from the model's own forward on the held values (the
+``held_forward`` of :func:`~omenn_kernels.backends.fused.explain_batch`), never from the
+fused ops' parameter paths.
+The signature then also holds the parameter gradient's kind and which parameters
+require a gradient. Its check at compile time also compares the parameter gradient of
+a random projection of the explanation with the fused backend's.
+
 Read-outs given as a :class:`~omenn_kernels.readout.ReadoutFunction` are traced into the
 graph, with their tensor arguments as graph inputs. Run on the fused backend instead:
-explanations with ``create_graph`` (the training path), read-outs given as any other
-function of the logits (what such a function reads besides the logits would be baked
-into the graph), and any signature whose trace or compilation failed (one warning naming
-the cause; the explanation is the fused backend's).
+read-outs given as any other function of the logits (what such a function reads
+besides the logits would be baked into the graph), and any signature whose trace or
+compilation failed (one warning naming the cause; the explanation is the fused
+backend's).
 """
 
 from __future__ import annotations
@@ -39,7 +53,7 @@ from typing import Callable
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ..capture import CAPTURE_LOCK
+from ..capture import CAPTURE_LOCK, bound_tensors
 from ..folding import scale_gradients_not_kernels
 from ..linearize.program import LinearizedProgram
 from ..ops import traced_as_aten
@@ -58,15 +72,21 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
     """``graph`` compiled by Inductor as one graph; under CUDA graphs where the inputs are on CUDA.
 
     The graph is already one aten graph, so it goes to Inductor directly (no Dynamo: no
-    guards to check per call). Compiled without autograd: the graph holds the backward.
+    guards to check per call). A first-order explanation is compiled without autograd:
+    the graph holds the backward. Where example inputs require a gradient (the parameters
+    of a differentiable explanation), Inductor differentiates the graph through
+    AOTAutograd; without CUDA graphs there, whose output buffers the next call overwrites
+    while a training step's autograd graph still holds them.
     """
     from torch._inductor.compile_fx import compile_fx  # imported on first use: it loads all of Inductor
 
     cuda = any(t.is_cuda for t in example)
-    with torch.no_grad():
+    differentiable = any(t.requires_grad for t in example)
+    with torch.set_grad_enabled(differentiable):
         # On the CPU, Inductor's channels-last layout for convolutions copies every kernel and
         # activation it converts, at a cost in time and memory; it keeps the layout it is given.
-        return compile_fx(graph, example, config_patches={"triton.cudagraphs": cuda, "layout_optimization": cuda})
+        return compile_fx(graph, example, config_patches={"triton.cudagraphs": cuda and not differentiable,
+                                                          "layout_optimization": cuda})
 
 
 @dataclass(frozen=True)
@@ -85,64 +105,90 @@ COMPILER: Compiler = inductor
 MAX_COMPILED = 8
 
 
-def _signature(x: torch.Tensor, target) -> tuple:
+def _signature(x: torch.Tensor, target, parameter_gradient: ParameterGradient | None,
+               trained: dict[str, torch.Tensor]) -> tuple:
     """What a compiled explanation is specialized on: the input's shape (a program may serve
     several batch sizes), the target's kind and shape (a read-out function: the function object
-    and its arguments' shapes), and autocast (the trace records its casts)."""
+    and its arguments' shapes), autocast (the trace records its casts), and for a
+    differentiable explanation the parameter gradient's kind and the parameters it takes."""
     device = x.device.type
     autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+    differentiation = (parameter_gradient, tuple(trained)) if parameter_gradient is not None else None
     if target is None:
-        return ("predicted", tuple(x.shape), autocast)
+        return ("predicted", tuple(x.shape), autocast, differentiation)
     if isinstance(target, ReadoutFunction):
         return ("function", tuple(x.shape), target.function,
-                tuple((tuple(a.shape), a.dtype, a.device) for a in target.arguments), autocast)
+                tuple((tuple(a.shape), a.dtype, a.device) for a in target.arguments), autocast, differentiation)
     kind = "indices" if not target.is_floating_point() else "weights"
-    return (kind, tuple(x.shape), tuple(target.shape), target.dtype, target.device, autocast)
+    return (kind, tuple(x.shape), tuple(target.shape), target.dtype, target.device, autocast, differentiation)
 
 
-def _graph_inputs(x: torch.Tensor, target) -> list[torch.Tensor]:
-    """The compiled graph's inputs: the images, then the target's tensors."""
+def _trained(program: LinearizedProgram, model: torch.nn.Module,
+             parameter_gradient: ParameterGradient | None) -> dict[str, torch.Tensor]:
+    """The parameters that a differentiable explanation's graph takes as inputs: those that
+    require a gradient, each tensor once (under its first placeholder's name); none for a
+    first-order explanation. The others enter the graph as the tensors themselves."""
+    if parameter_gradient is None:
+        return {}
+    trained: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, value in bound_tensors(program.captured, model, differentiable=True).items():
+        if isinstance(value, torch.Tensor) and value.requires_grad and id(value) not in seen:
+            seen.add(id(value))
+            trained[name] = value
+    return trained
+
+
+def _graph_inputs(x: torch.Tensor, target, trained: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The compiled graph's inputs: the images, the target's tensors, then the trained parameters."""
     if target is None:
-        return [x]
-    if isinstance(target, ReadoutFunction):
-        return [x, *target.arguments]
-    return [x, target]
+        head = [x]
+    elif isinstance(target, ReadoutFunction):
+        head = [x, *target.arguments]
+    else:
+        head = [x, target]
+    return head + list(trained.values())
 
 
-def _compilable(target, parameter_gradient: ParameterGradient | None) -> bool:
+def _compilable(target) -> bool:
     """Whether explanations of ``target`` are compiled (else they run on the fused backend)."""
-    return parameter_gradient is None and (not callable(target) or isinstance(target, ReadoutFunction))
+    return not callable(target) or isinstance(target, ReadoutFunction)
 
 
-def replays(program: LinearizedProgram, x: torch.Tensor, target,
+def replays(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, target,
             parameter_gradient: ParameterGradient | None = None) -> bool:
     """Whether :func:`explain_batch` of these arguments only runs a graph compiled earlier."""
-    if not _compilable(target, parameter_gradient):
+    if not _compilable(target):
         return False
-    compiled = program.compiled.get(_signature(x, target))
+    compiled = program.compiled.get(_signature(x, target, parameter_gradient,
+                                               _trained(program, model, parameter_gradient)))
     return compiled is not None and compiled is not _FAILED
 
 
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                   target, parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
     """``(C_w, C_b, ŷ, target, logits)`` from the compiled graph of this signature (see the module docstring)."""
-    if not _compilable(target, parameter_gradient):
+    if not _compilable(target):
         return fused.explain_batch(program, model, x, target, parameter_gradient)
-    key = _signature(x, target)
+    trained = _trained(program, model, parameter_gradient)
+    key = _signature(x, target, parameter_gradient, trained)
     compiled = program.compiled.pop(key, None)
     if compiled is None:  # the first call of this signature: eager, then traced and compiled
-        result = fused.explain_batch(program, model, x, target)
+        result = fused.explain_batch(program, model, x, target, parameter_gradient)
         with CAPTURE_LOCK:  # make_fx, like torch.export, holds process-wide dispatch modes while it traces
-            _keep(program, key, _compiled(program, model, x, target, result))
+            _keep(program, key, _compiled(program, model, x, target, parameter_gradient, trained, result))
         return result
     _keep(program, key, compiled)
     if compiled is _FAILED:
-        return fused.explain_batch(program, model, x, target)
+        return fused.explain_batch(program, model, x, target, parameter_gradient)
     # The graph calls the fused rules' custom ops: not while another thread exports (CAPTURE_LOCK).
-    with torch.no_grad(), CAPTURE_LOCK:  # the graph holds the backward already; its parameters need none
-        outputs = compiled.run(*_graph_inputs(x, target))
+    # A first-order graph holds the backward already and its parameters need none; a
+    # differentiable one records its compiled backward for the caller's loss.
+    with torch.set_grad_enabled(parameter_gradient is not None), CAPTURE_LOCK:
+        outputs = compiled.run(*_graph_inputs(x, target, trained))
     # Under CUDA graphs every run writes its outputs into the same buffers: copies outlive the next run.
-    return tuple(output.clone() for output in outputs) if x.is_cuda else outputs
+    return tuple(output.clone() for output in outputs) if x.is_cuda and parameter_gradient is None \
+        else tuple(outputs)
 
 
 def _keep(program: LinearizedProgram, key: tuple, compiled: CompiledExplanation | object) -> None:
@@ -156,6 +202,7 @@ _FAILED = object()  # a signature whose trace or compilation failed: it runs on 
 
 
 def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, target,
+              parameter_gradient: ParameterGradient | None, trained: dict[str, torch.Tensor],
               expected: tuple[torch.Tensor, ...]) -> CompiledExplanation | object:
     """The traced and compiled explanation of ``target``'s signature, checked against ``expected``.
 
@@ -164,47 +211,63 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     order; where ops were traced as their aten math, :func:`~omenn_kernels.ops.traced_as_aten`,
     as the compiled graph must); the compiled graph, whose fused kernels round differently,
     must too in float32 and float64, and in half precision must give the same logits and a
-    complete explanation (see :func:`_mismatch`). Returns ``_FAILED`` (after one warning
-    naming the cause) where tracing or compiling fails or a check does not hold.
+    complete explanation (see :func:`_mismatch`). A differentiable explanation's compiled
+    graph must also give the parameters the fused backend's gradient
+    (:func:`_gradient_mismatch`). Returns ``_FAILED`` (after one warning naming the cause)
+    where tracing or compiling fails or a check does not hold.
     """
+    differentiable = parameter_gradient is not None
+    head = len(_graph_inputs(x, target, {}))
+
     def explanation(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # The trained parameters (inputs[head:]) are the model's own tensors: the trace reads
+        # them through the model and records them as these inputs.
         if isinstance(target, ReadoutFunction):
-            traced_target = ReadoutFunction(target.function, tuple(inputs[1:]))
+            traced_target = ReadoutFunction(target.function, tuple(inputs[1:head]))
         else:
-            traced_target = inputs[1] if len(inputs) > 1 else None
-        weight, bias, explained, chosen, logits = fused.explain_batch(program, model, inputs[0], traced_target)
+            traced_target = inputs[1] if head > 1 else None
+        weight, bias, explained, chosen, logits = fused.explain_batch(program, model, inputs[0], traced_target,
+                                                                      parameter_gradient, held_forward=True)
+        if differentiable:
+            return weight, bias, explained, chosen, logits
         return weight.detach(), bias.detach(), explained.detach(), chosen, logits.detach()
 
-    example = _graph_inputs(x, target)
+    example = _graph_inputs(x, target, trained)
     decompositions = traced_as_aten(x.device)
     start = time.perf_counter()
     try:
         graph = make_fx(explanation, decomposition_table=decompositions)(*example)
         scale_gradients_not_kernels(graph.graph)
         folded = fold_shape_only(graph, example)
-        with torch.no_grad():
+        with torch.no_grad():  # values only: the gradient is checked on the compiled graph
             replayed = graph(*example)
         compiled = COMPILER(graph, example)
-        with torch.no_grad():
-            result = compiled(*example)
+        with torch.set_grad_enabled(differentiable):
+            result = tuple(compiled(*example))
+        mismatch = _mismatch(replayed, _detached(expected), x, "traced", exact_order=not decompositions) \
+            or _mismatch(_detached(result), _detached(expected), x, "compiled", exact_order=False) \
+            or (_gradient_mismatch(result, expected, list(trained.values()), x) if differentiable else None)
     except Exception as error:  # any failure of the toolchain falls back, never a wrong map
         warnings.warn(f"omenn_kernels: the compiled backend could not compile the explanation of "
                       f"{type(model).__name__} on an input of shape {tuple(x.shape)} ({type(error).__name__}: "
                       f"{str(error).splitlines()[0] if str(error) else ''}); this signature runs on the "
                       "fused backend", RuntimeWarning, stacklevel=5)
         return _FAILED
-    mismatch = _mismatch(replayed, expected, x, "traced", exact_order=not decompositions) or \
-        _mismatch(result, expected, x, "compiled", exact_order=False)
     if mismatch:
         warnings.warn(f"omenn_kernels: the {mismatch.format(type(model).__name__)}; this signature runs on the "
                       "fused backend", RuntimeWarning, stacklevel=5)
         return _FAILED
     seconds = time.perf_counter() - start
-    log.info("compiled the explanation of %s for input %s %s and target %s in %.1f s (%d aten nodes, "
+    log.info("compiled the explanation of %s for input %s %s and target %s%s in %.1f s (%d aten nodes, "
              "%d shape-only values folded)", type(model).__name__, tuple(x.shape), x.dtype,
-             _signature(x, target)[0], seconds, sum(node.op == "call_function" for node in graph.graph.nodes),
-             folded)
+             _signature(x, target, parameter_gradient, trained)[0],
+             f", differentiable ({parameter_gradient}, {len(trained)} parameter tensors)" if differentiable else "",
+             seconds, sum(node.op == "call_function" for node in graph.graph.nodes), folded)
     return CompiledExplanation(graph, compiled, seconds)
+
+
+def _detached(outputs) -> tuple[torch.Tensor, ...]:
+    return tuple(output.detach() for output in outputs)
 
 
 # Relative (Frobenius) bounds on the difference from the fused backend's explanation.
@@ -240,6 +303,33 @@ def _mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], x: 
         if relative_distance(got[index], want[index]) > tolerance:
             return f"{stage} explanation of {{}} differs from the fused backend's in its {name} by more than " \
                    f"{tolerance:g} relative"
+    return None
+
+
+def _gradient_mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...],
+                       parameters: list[torch.Tensor], x: torch.Tensor) -> str | None:
+    """Why the parameter gradient of a random projection of ``got`` (the compiled graph's
+    differentiable outputs) is not that of ``want`` (the fused backend's), or None.
+
+    Relative (Frobenius) over all parameters, with the tolerance of a reordered float32 or
+    float64 computation. In half precision the gradient, like the weight (see
+    :func:`_mismatch`), moves with rounding order and is not compared.
+    """
+    if x.dtype not in _REORDERED_TOLERANCE or not parameters:
+        return None
+    pairs = [(g, w) for g, w in zip(got, want) if isinstance(w, torch.Tensor) and w.requires_grad]
+    generator = torch.Generator(device=x.device).manual_seed(0)
+    projections = [torch.randn(w.shape, generator=generator, device=w.device, dtype=w.dtype) for _, w in pairs]
+
+    def gradient(values: list[torch.Tensor]) -> torch.Tensor:
+        loss = sum((value * projection).sum() for value, projection in zip(values, projections))
+        # The fused backend's graph is the caller's explanation: kept for the caller's loss.
+        parts = torch.autograd.grad(loss, parameters, retain_graph=True, allow_unused=True, materialize_grads=True)
+        return torch.cat([part.flatten() for part in parts])
+    tolerance = _REORDERED_TOLERANCE[x.dtype]
+    if relative_distance(gradient([g for g, _ in pairs]), gradient([w for _, w in pairs])) > tolerance:
+        return f"compiled explanation of {{}} gives the parameters a gradient that differs from the fused " \
+               f"backend's by more than {tolerance:g} relative"
     return None
 
 

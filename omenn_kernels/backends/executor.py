@@ -75,12 +75,13 @@ def _attach_held(result, held) -> None:
 
 def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
             ones: torch.Tensor, implementation: Implementation,
-            parameter_gradient: ParameterGradient | None = None) -> Live:
+            parameter_gradient: ParameterGradient | None = None, held_forward: bool = False) -> Live:
     """Run the linearized program on ``(x, ones)`` and return the LIVE model output.
 
     ``implementation(rule)`` picks the function that runs each LIVE rule.
     ``parameter_gradient`` (None: everything is detached from the parameters) is
-    explained in the module's docstring.
+    explained in the module's docstring; ``held_forward`` runs the held forward with
+    ``"total"`` also where the multipliers are all piecewise constant.
 
     Raises:
         UnsupportedOpError: a rule met operands it cannot linearize (e.g. a product of
@@ -88,7 +89,7 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     """
     captured = program.captured
     env: dict[str, object] = bound_tensors(captured, model, differentiable=parameter_gradient is not None)
-    track_held = parameter_gradient == "total" and program.multipliers_follow_held
+    track_held = parameter_gradient == "total" and (held_forward or program.multipliers_follow_held)
     env[captured.input_name] = Live(x, ones, x.detach() if track_held else None)
     # The rules a forward runs, so the biases it meets, differ with the parameter gradient.
     ones_key = (tuple(ones.shape), parameter_gradient)
@@ -165,7 +166,8 @@ def _model_logits(output: Live, parameter_gradient: ParameterGradient | None) ->
 
 def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                  target, shared_ones: bool, implementation: Implementation,
-                 parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
+                 parameter_gradient: ParameterGradient | None = None,
+                 held_forward: bool = False) -> tuple[torch.Tensor, ...]:
     """``(C_w, C_b, ŷ, target, logits)`` for the read-out ``ŷ`` of ``target`` (see :func:`read_out`).
 
     The input's ones channel has one entry per element, or with ``shared_ones`` one per
@@ -177,7 +179,7 @@ def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Te
     With ``parameter_gradient`` (see the module's docstring) ``C_w`` and ``C_b`` are
     differentiable with respect to the model's parameters; so are ``ŷ`` and ``logits``
     with ``"total"`` (the model's own gradient), while with ``"fixed_multipliers"`` they
-    are detached.
+    are detached. ``held_forward``: as in :func:`forward`.
     """
     keep_graph = parameter_gradient is not None
     with torch.inference_mode(False), torch.enable_grad():
@@ -187,7 +189,7 @@ def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Te
         if shared_ones and feature is not None:
             ones_shape[feature] = 1
         ones = x.new_ones(ones_shape).requires_grad_(True)
-        output = forward(program, model, inputs, ones, implementation, parameter_gradient)
+        output = forward(program, model, inputs, ones, implementation, parameter_gradient, held_forward)
         linear_readout, target = read_out(output.value, target)
         if linear_readout.dim() == 1:
             weight, ones_grad = _gradients(linear_readout.sum(), inputs, ones, keep_graph, keep_graph)

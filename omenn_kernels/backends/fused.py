@@ -25,17 +25,25 @@ from .executor import ParameterGradient, explain_with
 
 
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                  target, parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
+                  target, parameter_gradient: ParameterGradient | None = None,
+                  held_forward: bool = False) -> tuple[torch.Tensor, ...]:
     """``(C_w, C_b, ŷ, target, logits)`` with one ones value per pixel and fused rules.
+
+    ``held_forward``: with a total parameter gradient, take the logits' parameter gradient
+    from the model's own forward on the held values also where the multipliers are all
+    piecewise constant, rather than from the fused ops' parameter paths (autograd
+    functions whose backward is not the derivative of their forward, which a trace
+    records without its backward; see :mod:`~omenn_kernels.backends.compiled`).
 
     Runs under :data:`~omenn_kernels.capture.CAPTURE_LOCK`: not while another thread exports.
     """
     with CAPTURE_LOCK:
-        return _explain_batch(program, model, x, target, parameter_gradient)
+        return _explain_batch(program, model, x, target, parameter_gradient, held_forward)
 
 
 def _explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                   target, parameter_gradient: ParameterGradient | None) -> tuple[torch.Tensor, ...]:
+                   target, parameter_gradient: ParameterGradient | None,
+                   held_forward: bool) -> tuple[torch.Tensor, ...]:
     if parameter_gradient is None:
         return explain_with(program, model, x, target, True, lambda rule: rule.fused or rule.reference)
     once_only = sorted({step.rule.name for step in program.steps
@@ -46,10 +54,11 @@ def _explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.
                       "so explanations differentiable with respect to the parameters (create_graph=True) "
                       "run their reference rules on the fused backend", RuntimeWarning, stacklevel=5)
     # The linearized logits are the model's own only without a held forward (executor).
-    value_gradient = parameter_gradient == "total" and not program.multipliers_follow_held
+    held_forward = held_forward or program.multipliers_follow_held
+    value_gradient = parameter_gradient == "total" and not held_forward
 
     def implementation(rule):
         if rule.fused is not None and rule.fused_differentiable:
             return functools.partial(rule.fused, value_gradient=value_gradient)
         return rule.reference
-    return explain_with(program, model, x, target, True, implementation, parameter_gradient)
+    return explain_with(program, model, x, target, True, implementation, parameter_gradient, held_forward)

@@ -129,7 +129,9 @@ def _conv2d_ones_backward_cpu(grad: torch.Tensor, grad_ones: torch.Tensor, bias:
 
 @_conv2d_ones_backward_cpu.register_fake
 def _(grad, grad_ones, bias, window_sum, input_size, kernel_size, stride, padding, dilation):
-    return grad.new_empty(grad.shape[0], 1, *input_size, dtype=torch.float32)
+    # The kernel accumulates in float64 for float64 gradients and in float32 otherwise.
+    dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    return grad.new_empty(grad.shape[0], 1, *input_size, dtype=dtype)
 
 
 @triton_op("omenn::conv2d_ones_backward", mutates_args=())

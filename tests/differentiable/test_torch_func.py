@@ -15,7 +15,8 @@ position embedding, written-out softmax attention, LayerNorms, GELU MLP):
    here with every multiplier detached;
 4. the two kinds of gradient differ, so that (2) cannot pass by ignoring the multipliers.
 
-(2) and (3) run on both backends: the fused one differentiates its own ops twice.
+(2) and (3) run on three backends: the fused one differentiates its own ops twice, the
+compiled one its traced graph.
 
 Why the OMENN written here is independent of the library: it shares none of its code
 (no capture, no rule registry, no backend). Each model's linearized network is written
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import omenn_kernels
+from omenn_kernels.backends import compiled
 
 DT = torch.float64
 RTOL = 1e-9
@@ -339,8 +341,10 @@ def independent_parameter_gradient(model: nn.Module, x: Tensor, r: LossWeights,
 
 def library_parameter_gradient(model: nn.Module, x: Tensor, r: LossWeights,
                                parameter_gradient: str, backend: str = "reference") -> dict[str, Tensor]:
-    e = omenn_kernels.explain(model, x, TARGET, backend=backend, create_graph=True,
-                              parameter_gradient=parameter_gradient)
+    explainer = omenn_kernels.Explainer(model, backend=backend)
+    if backend == "compiled":  # the first call of a signature runs the fused backend and compiles
+        explainer(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
+    e = explainer(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
     names, params = zip(*model.named_parameters())
     gradients = torch.autograd.grad(attribution_loss(e.contribution, e.weight, e.bias, r), params)
     return dict(zip(names, gradients))
@@ -375,14 +379,16 @@ def test_first_order_matches_library(model_name: str) -> None:
     assert model.training == (model_name == "cnn")  # the flag of the train-mode model is kept
 
 
-@pytest.mark.parametrize("backend", ["reference", "auto"])
+@pytest.mark.parametrize("backend", ["reference", "auto", "compiled"])
 @pytest.mark.parametrize("parameter_gradient, detach_multipliers",
                          [("total", False), ("fixed_multipliers", True)])
 @pytest.mark.parametrize("model_name", MODELS)
-def test_parameter_gradient_matches_torch_func(model_name: str, parameter_gradient: str,
+def test_parameter_gradient_matches_torch_func(monkeypatch, model_name: str, parameter_gradient: str,
                                                detach_multipliers: bool, backend: str) -> None:
     """"total" against the multipliers recomputed at θ; "fixed_multipliers" against them detached.
-    Both backends: the fused one differentiates its own ops twice."""
+    Three backends: the fused one differentiates its own ops twice, the compiled one its
+    traced graph (compiled here with the traced graph itself)."""
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
     model, x = make_model(model_name), make_input()
     r = make_loss_weights(x)
     assert_gradients_equal(library_parameter_gradient(model, x, r, parameter_gradient, backend),
