@@ -178,7 +178,8 @@ def test_the_compiled_backend_writes_the_reference_store(multi_target_store, par
     monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: traced.append(graph) or graph)
     eager = []
     explain_batch = fused.explain_batch
-    monkeypatch.setattr(fused, "explain_batch", lambda *args: eager.append(1) or explain_batch(*args))
+    monkeypatch.setattr(fused, "explain_batch",
+                        lambda *args, **kwargs: eager.append(1) or explain_batch(*args, **kwargs))
     out = tmp_path / "compiled.zarr"
     summary = explain_folder(_config(parts_folder, out, backend="compiled"))
     assert summary.explained == 20 and len(traced) == 1
