@@ -35,6 +35,7 @@ than 1e-6 relative.
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 from typing import Callable, Iterator, NamedTuple
 
@@ -343,7 +344,9 @@ def library_parameter_gradient(model: nn.Module, x: Tensor, r: LossWeights,
                                parameter_gradient: str, backend: str = "reference") -> dict[str, Tensor]:
     explainer = omenn_kernels.Explainer(model, backend=backend)
     if backend == "compiled":  # the first call of a signature runs the fused backend and compiles
-        explainer(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
+        with warnings.catch_warnings():  # a fallback to the fused backend would test that again
+            warnings.simplefilter("error", RuntimeWarning)
+            explainer(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
     e = explainer(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
     names, params = zip(*model.named_parameters())
     gradients = torch.autograd.grad(attribution_loss(e.contribution, e.weight, e.bias, r), params)
