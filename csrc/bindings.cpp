@@ -28,7 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("bias_share", &omenn_cpu::bias_share, nogil,
         "r[b,p] = (Σ_c grad[b,c,p]·bias[c] + grad_ones_out[b,0,p]) / S[b,p] (0 where S == 0), "
-        "shape (B, Ho, Wo); grad_ones_out may be None",
+        "shape (B, Ho, Wo); bias and grad_ones_out may be None (no bias: grad is not read)",
         py::arg("grad"), py::arg("bias"), py::arg("grad_ones_out"), py::arg("S"));
   m.def("spread_bias_share", &omenn_cpu::spread_bias_share, nogil,
         "grad_ones_in[b,0,q] = Σ over output positions p whose receptive field holds q of "

@@ -4,7 +4,8 @@
 // the ones O (B,1,H,W) over output position p's receptive field (padding counts 0).
 // Backward:
 //   bias_share:        r[b,p] = (Σ_c grad[b,c,p]·bias[c] + grad_ones_out[b,0,p]) / S[b,p]
-//                      (0 where S == 0)
+//                      (0 where S == 0); a bias-free convolution reads no grad, only
+//                      grad_ones_out.
 //   spread_bias_share: grad_ones_in[b,0,q] = Σ_{p : q ∈ field(p)} r[b,p], a gather per
 //                      input position over the kernel taps.
 // The ones path is float32, or float64 when grad (for bias_share) or r (for the spread)
@@ -83,7 +84,9 @@ template <class scalar_t, class acc_t>
 void bias_share_kernel(const scalar_t* grad, const acc_t* bias, const acc_t* gout,
                        const acc_t* S, acc_t* r, int64_t B, int64_t C, int64_t P) {
   const int64_t chunks = (P + kChunk - 1) / kChunk;
-  const int64_t per_task = std::min(P, kChunk) * std::max<int64_t>(C, 1);
+  // Without a bias (bias == nullptr) the channel reduction, the read of grad, is skipped.
+  const int64_t channels = bias != nullptr ? C : 0;
+  const int64_t per_task = std::min(P, kChunk) * std::max<int64_t>(channels, 1);
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(per_task, 1));
   at::parallel_for(0, B * chunks, grain, [&](int64_t begin, int64_t end) {
     acc_t acc[kChunk];
@@ -93,7 +96,7 @@ void bias_share_kernel(const scalar_t* grad, const acc_t* bias, const acc_t* gou
       const int64_t n = std::min(kChunk, P - start);
       for (int64_t k = 0; k < n; ++k) acc[k] = acc_t(0);
       // Channels outer, positions inner: each grad row is read contiguously.
-      for (int64_t c = 0; c < C; ++c) {
+      for (int64_t c = 0; c < channels; ++c) {
         const acc_t bc = bias[c];
         const scalar_t* row = grad + (b * C + c) * P + start;
         for (int64_t k = 0; k < n; ++k) acc[k] += static_cast<acc_t>(row[k]) * bc;
@@ -151,23 +154,30 @@ at::ScalarType ones_dtype(at::ScalarType st) {
 
 }  // namespace
 
-at::Tensor bias_share(const at::Tensor& grad, const at::Tensor& bias,
+at::Tensor bias_share(const at::Tensor& grad, const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& grad_ones_out, const at::Tensor& S) {
   constexpr const char* where = "bias_share";
   check_cpu_floating(where, "grad", grad);
   TORCH_CHECK(grad.dim() == 4, where, ": grad must have shape (B, Cout, Ho, Wo), got ",
               grad.sizes());
   const int64_t B = grad.size(0), C = grad.size(1), Ho = grad.size(2), Wo = grad.size(3);
-  check_cpu_floating(where, "bias", bias);
-  TORCH_CHECK(bias.dim() == 1 && bias.size(0) == C, where, ": bias must have shape (Cout,) = (",
-              C, ",), got ", bias.sizes());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    check_cpu_floating(where, "bias", *bias);
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == C, where,
+                ": bias must have shape (Cout,) = (", C, ",), got ", bias->sizes());
+  }
   check_position_map(where, "S", S, B, Ho, Wo);
   const bool has_gout = grad_ones_out.has_value() && grad_ones_out->defined();
   if (has_gout) check_position_map(where, "grad_ones_out", *grad_ones_out, B, Ho, Wo);
 
   const auto acc = ones_dtype(grad.scalar_type());
-  const at::Tensor g = grad.contiguous();
-  const at::Tensor bc = bias.to(acc).contiguous();
+  // grad is read only for a bias: a bias-free call does not copy a strided grad either.
+  at::Tensor g = grad, bc;
+  if (has_bias) {
+    g = grad.contiguous();
+    bc = bias->to(acc).contiguous();
+  }
   const at::Tensor sc = S.to(acc).contiguous();
   at::Tensor goc;
   if (has_gout) goc = grad_ones_out->to(acc).contiguous();
@@ -176,7 +186,8 @@ at::Tensor bias_share(const at::Tensor& grad, const at::Tensor& bias,
   const int64_t P = Ho * Wo;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.scalar_type(), where, [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    bias_share_kernel<scalar_t, acc_t>(g.const_data_ptr<scalar_t>(), bc.const_data_ptr<acc_t>(),
+    bias_share_kernel<scalar_t, acc_t>(has_bias ? g.const_data_ptr<scalar_t>() : nullptr,
+                                       has_bias ? bc.const_data_ptr<acc_t>() : nullptr,
                                        has_gout ? goc.const_data_ptr<acc_t>() : nullptr,
                                        sc.const_data_ptr<acc_t>(), r.mutable_data_ptr<acc_t>(),
                                        B, C, P);
@@ -207,7 +218,7 @@ at::Tensor spread_bias_share(const at::Tensor& r, int64_t H, int64_t W, int64_t 
   return out;
 }
 
-at::Tensor conv_bias_ones_backward(const at::Tensor& grad, const at::Tensor& bias,
+at::Tensor conv_bias_ones_backward(const at::Tensor& grad, const std::optional<at::Tensor>& bias,
                                    const std::optional<at::Tensor>& grad_ones_out,
                                    const at::Tensor& S, int64_t H, int64_t W, int64_t kh,
                                    int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw,

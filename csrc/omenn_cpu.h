@@ -33,8 +33,9 @@ at::Tensor activation_backward(const at::Tensor& grad, const at::Tensor& x,
                                const std::string& kind, double slope);
 
 // r[b,p] = (Σ_c grad[b,c,p]·bias[c] + grad_ones_out[b,0,p]) / S[b,p], 0 where S == 0.
-// Returns (B, Ho, Wo), float32 (float64 when grad is float64).
-at::Tensor bias_share(const at::Tensor& grad, const at::Tensor& bias,
+// Returns (B, Ho, Wo), float32 (float64 when grad is float64). Without a bias, grad
+// gives only its shape and dtype.
+at::Tensor bias_share(const at::Tensor& grad, const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& grad_ones_out, const at::Tensor& S);
 
 // out[b,0,q] = Σ over output positions p whose receptive field holds q of r[b,p].
@@ -44,7 +45,7 @@ at::Tensor spread_bias_share(const at::Tensor& r, int64_t H, int64_t W, int64_t 
                              int64_t dw);
 
 // spread_bias_share(bias_share(grad, bias, grad_ones_out, S), ...): (B, 1, H, W).
-at::Tensor conv_bias_ones_backward(const at::Tensor& grad, const at::Tensor& bias,
+at::Tensor conv_bias_ones_backward(const at::Tensor& grad, const std::optional<at::Tensor>& bias,
                                    const std::optional<at::Tensor>& grad_ones_out,
                                    const at::Tensor& S, int64_t H, int64_t W, int64_t kh,
                                    int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw,

@@ -4,7 +4,8 @@ The ones are shared per pixel (N, 1, H, W) and ``S`` (``window_sum``, N, 1, Ho, 
 the number of real input positions in each output position's receptive field. The value
 is the convolution with its bias (``Ō = 1`` wherever a real position is seen); the
 backward gives the input ``convᵀ(dy, W)`` and the ones ``(Σ_c dy_c·b_c + dŌ)/S`` spread
-over each receptive field, in one kernel (``omenn::conv2d_ones_backward``).
+over each receptive field, in one kernel (``omenn::conv2d_ones_backward``). A bias-free
+convolution does no work for its own bias: its ones' backward reads ``dŌ`` alone, never ``dy``.
 
 Cost of the ones' backward: one read of ``dy`` (C·Ho·Wo per image) and one write of
 H·W values, against the reference's full-shape product ``b·Ō``, its gradient and a
@@ -118,7 +119,7 @@ conv2d_input_grad.register_autograd(_conv2d_input_grad_grad, setup_context=_conv
 
 
 @torch.library.custom_op("omenn::conv2d_ones_backward_cpu", mutates_args=())
-def _conv2d_ones_backward_cpu(grad: torch.Tensor, grad_ones: torch.Tensor, bias: torch.Tensor,
+def _conv2d_ones_backward_cpu(grad: torch.Tensor, grad_ones: torch.Tensor, bias: Optional[torch.Tensor],
                               window_sum: torch.Tensor, input_size: list[int], kernel_size: list[int],
                               stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:
     from ..native import cpu_kernels
@@ -135,10 +136,12 @@ def _(grad, grad_ones, bias, window_sum, input_size, kernel_size, stride, paddin
 
 
 @triton_op("omenn::conv2d_ones_backward", mutates_args=())
-def conv2d_ones_backward(grad: torch.Tensor, grad_ones: torch.Tensor, bias: torch.Tensor,
+def conv2d_ones_backward(grad: torch.Tensor, grad_ones: torch.Tensor, bias: Optional[torch.Tensor],
                          window_sum: torch.Tensor, input_size: list[int], kernel_size: list[int],
                          stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:
-    """The ones' gradient (N, 1, H, W): ``(Σ_c grad_c·b_c + grad_ones)/S`` spread over each window."""
+    """The ones' gradient (N, 1, H, W): ``(Σ_c grad_c·b_c + grad_ones)/S`` spread over each window.
+
+    Without a bias the sum over channels is absent and ``grad`` gives only its shape."""
     if grad.device.type == "cuda":
         from triton_kernels.conv_bias import conv_bias_ones_backward
 
@@ -162,7 +165,9 @@ def _conv2d_ones_backward_grad(ctx, grad_ones_in):
     gathered = F.conv2d(grad_ones_in, window, None, ctx.stride, ctx.padding, ctx.dilation)
     empty = window_sum == 0
     share = torch.where(empty, 0.0, gathered / torch.where(empty, 1.0, window_sum)).to(grad.dtype)
-    grad_grad = share * bias.to(grad.dtype).view(1, -1, 1, 1) if ctx.needs_input_grad[0] else None
+    grad_grad = None
+    if ctx.needs_input_grad[0] and bias is not None:
+        grad_grad = share * bias.to(grad.dtype).view(1, -1, 1, 1)
     grad_grad_ones = share.sum_to_size(ctx.grad_ones_shape) if ctx.needs_input_grad[1] else None
     grad_bias = None
     if ctx.needs_input_grad[2]:  # Σ share·grad per channel as a batched product, as BatchNorm's shift
@@ -176,7 +181,7 @@ conv2d_ones_backward.register_autograd(_conv2d_ones_backward_grad, setup_context
 
 def _conv2d_ones_setup(ctx, inputs, output) -> None:
     x, ones, window_sum, weight, bias, ctx.stride, ctx.padding, ctx.dilation, ctx.groups = inputs
-    ctx.save_for_backward(x, ones, window_sum, weight, bias if bias is not None else weight.new_zeros(weight.shape[0]))
+    ctx.save_for_backward(x, ones, window_sum, weight, bias)
 
 
 def _patch_input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -199,7 +204,8 @@ def _conv2d_ones_grad(ctx, grad, grad_ones):
         # x gives only its shape: detached, the backward's graph has no edge to the forward.
         grad_x = conv2d_input_grad(grad_like_x, x.detach(), weight_like_x, ctx.stride, ctx.padding,
                                    ctx.dilation, ctx.groups)
-    grad_ones_in = conv2d_ones_backward(grad.contiguous(), grad_ones.contiguous(), bias, window_sum,
+    grad_ones_in = conv2d_ones_backward(grad if bias is None else grad.contiguous(), grad_ones.contiguous(),
+                                        bias, window_sum,
                                         list(x.shape[2:]), list(weight.shape[2:]), ctx.stride,
                                         ctx.padding, ctx.dilation)
     return grad_x, grad_ones_in.to(ones.dtype), None, None, None, None, None, None, None

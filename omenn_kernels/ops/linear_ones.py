@@ -6,7 +6,8 @@ by the graph walker, :mod:`omenn_kernels.linearize.receiving`): for a fused ``qk
 projection whose query and key thirds feed only the attention weights, ``dX = dY·W``
 shrinks to the value third, one of the three products a gradient computes there.
 ``omenn::linear_input_grad`` (that product) differentiates again over the same
-features, so explanations differentiable with respect to the parameters run it too.
+features, so explanations differentiable with respect to the parameters run it too. Without
+a bias the backward does no ones work but pass on the ones' own gradient.
 
 Kernels: aten's matrix products on every device. Reference: the rule's ``_linear``
 (:mod:`omenn_kernels.linearize.rules.linear`), ``F.linear`` with autograd.
@@ -14,19 +15,22 @@ Kernels: aten's matrix products on every device. Reference: the rule's ``_linear
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
 
-def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`linear_ones` in aten ops (its implementation, and its trace in a compiled explanation)."""
     ones_bar = ones.mean(-1, keepdim=True)
-    return F.linear(x, weight) + bias * ones_bar, ones_bar
+    value = F.linear(x, weight)
+    return (value if bias is None else value + bias * ones_bar), ones_bar
 
 
 @torch.library.custom_op("omenn::linear_ones", mutates_args=())
-def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """R1 ``(xWᵀ + b·Ō, Ō)`` with ``Ō`` the mean of ``ones`` over the last dim (1 wherever used).
 
@@ -97,12 +101,14 @@ linear_input_grad.register_autograd(_linear_input_grad_grad, setup_context=_line
 def _linear_ones_grad(ctx, grad, grad_ones_bar):
     weight, bias = ctx.saved_tensors
     grad_x = linear_input_grad(grad, weight, ctx.start, ctx.stop)
-    receiving = ctx.stop - ctx.start
-    if receiving < bias.shape[0]:  # the other features receive no gradient: Σ_c dy_c·b_c skips them
-        grad, bias = grad.narrow(-1, ctx.start, receiving), bias.narrow(0, ctx.start, receiving)
-    # Ō has the ones' shape but its last dim (1): shared along leading dims where the ones are.
-    ones_bar_shape = (*ctx.ones_shape[:-1], 1)
-    grad_bar = grad.matmul(bias).unsqueeze(-1).sum_to_size(ones_bar_shape) + grad_ones_bar
+    grad_bar = grad_ones_bar
+    if bias is not None:
+        receiving = ctx.stop - ctx.start
+        if receiving < bias.shape[0]:  # the other features receive no gradient: Σ_c dy_c·b_c skips them
+            grad, bias = grad.narrow(-1, ctx.start, receiving), bias.narrow(0, ctx.start, receiving)
+        # Ō has the ones' shape but its last dim (1): shared along leading dims where the ones are.
+        ones_bar_shape = (*ctx.ones_shape[:-1], 1)
+        grad_bar = grad.matmul(bias).unsqueeze(-1).sum_to_size(ones_bar_shape) + grad_ones_bar
     return grad_x, (grad_bar / ctx.ones_shape[-1]).expand(ctx.ones_shape), None, None, None, None
 
 

@@ -157,16 +157,19 @@ def test_batch_norm_ones_equals_the_reference_rule(ones_channels):
 
 @pytest.mark.parametrize("silent,receiving", [(slice(0, 6), (6, 9)), (slice(3, 6), (0, 9))],
                          ids=["one_block_receives", "two_blocks_receive"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "bias_free"])
 @pytest.mark.parametrize("ones_features", [1, 6])
-def test_linear_ones_equals_the_reference_rule_with_gate_only_features(ones_features, silent, receiving):
+def test_linear_ones_equals_the_reference_rule_with_gate_only_features(ones_features, silent, receiving,
+                                                                       with_bias):
     """Against R1 written with autograd, when two thirds of the outputs get no gradient
     (the receiving features one block, or two: then the whole product is taken)."""
     x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
     ones = torch.ones(2, 5, ones_features, dtype=torch.float64, requires_grad=True)
-    weight, bias = torch.randn(9, 6, dtype=torch.float64), torch.randn(9, dtype=torch.float64)
+    weight = torch.randn(9, 6, dtype=torch.float64)
+    bias = torch.randn(9, dtype=torch.float64) if with_bias else None
     value, ones_bar = linear_ones.linear_ones(x, ones, weight, bias, *receiving)
     expected_bar = ones.mean(-1, keepdim=True)
-    expected = torch.nn.functional.linear(x, weight) + bias * expected_bar
+    expected = torch.nn.functional.linear(x, weight, None) + (0 if bias is None else bias * expected_bar)
     grad = torch.randn_like(value)
     grad[..., silent] = 0  # e.g. the query and key thirds of a qkv projection
     grad_bar = torch.randn_like(ones_bar)
@@ -190,17 +193,24 @@ def _conv_inputs(dtype=torch.float32, patchify: bool = False):
     return x, ones, window_sum, weight, bias, stride, padding, dilation, groups
 
 
-def test_opcheck_conv2d_ones():
-    _opcheck(torch.ops.omenn.conv2d_ones.default, _conv_inputs())
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "bias_free"])
+def test_opcheck_conv2d_ones(with_bias):
+    x, ones, window_sum, weight, bias, *geometry = _conv_inputs()
+    _opcheck(torch.ops.omenn.conv2d_ones.default, (x, ones, window_sum, weight, bias if with_bias else None,
+                                                   *geometry))
 
 
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "bias_free"])
 @pytest.mark.parametrize("patchify", [False, True], ids=["general", "patchify"])
-def test_conv2d_ones_gradients_equal_the_reference_rule(patchify):
+def test_conv2d_ones_gradients_equal_the_reference_rule(patchify, with_bias):
     """Against R2 written with autograd: ``conv(x) + b·S/stopgrad(S)`` (patchifying
     convolutions take their own input-gradient path on the CPU)."""
     x, ones, window_sum, weight, bias, stride, padding, dilation, groups = _conv_inputs(torch.float64, patchify)
+    if not with_bias:
+        bias = torch.zeros_like(bias)  # the reference's bias; the op is called without one
     assert conv_bias.cuts_patches(x, weight.shape, stride, padding, dilation, groups) == patchify
-    value, ones_out = conv_bias.conv2d_ones(x, ones, window_sum, weight, bias, stride, padding, dilation, groups)
+    value, ones_out = conv_bias.conv2d_ones(x, ones, window_sum, weight, bias if with_bias else None, stride,
+                                            padding, dilation, groups)
     grad, grad_ones = torch.randn_like(value), torch.randn_like(ones_out)
     dx, dones = torch.autograd.grad((value * grad).sum() + (ones_out * grad_ones).sum(), [x, ones])
     s = torch.nn.functional.conv2d(ones, ones.new_ones(1, 1, 3, 3), None, stride, padding, dilation)
@@ -211,6 +221,29 @@ def test_conv2d_ones_gradients_equal_the_reference_rule(patchify):
     torch.testing.assert_close(value, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dx, ex, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(dones, eones, rtol=1e-12, atol=1e-12)
+
+
+def test_bias_free_conv2d_ones_backward_reads_no_output_gradient(monkeypatch):
+    """A bias-free convolution does no work for its bias: its ones' gradient comes from the
+    ones' own gradient alone (a NaN output gradient leaves it finite and exact), and the
+    backward calls the ones kernel without a bias, whose channel reduction is then skipped."""
+    x, ones, window_sum, weight, _bias, stride, padding, dilation, groups = _conv_inputs(torch.float64)
+    value, ones_out = conv_bias.conv2d_ones(x, ones, window_sum, weight, None, stride, padding, dilation, groups)
+    grad_ones = torch.randn_like(ones_out)
+    seen = []
+    real = torch.ops.omenn.conv2d_ones_backward_cpu.default
+
+    def spy(grad, grad_ones, bias, *rest):
+        seen.append(bias)
+        return real(grad, grad_ones, bias, *rest)
+
+    monkeypatch.setattr(conv_bias, "_conv2d_ones_backward_cpu", spy)
+    (dones,) = torch.autograd.grad([value, ones_out], [ones],
+                                   [torch.full_like(value, float("nan")), grad_ones])
+    assert seen == [None]
+    s = torch.nn.functional.conv2d(ones, ones.new_ones(1, 1, 3, 3), None, stride, padding, dilation)
+    (expected,) = torch.autograd.grad(((s / s.detach()) * grad_ones).sum(), [ones])
+    torch.testing.assert_close(dones, expected, rtol=1e-12, atol=1e-12)
 
 
 def _attention_inputs(with_bias: bool):

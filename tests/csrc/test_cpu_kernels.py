@@ -333,6 +333,22 @@ def test_conv_bias_parts_and_non_contiguous_inputs(ext, case, dtype):
     torch.testing.assert_close(ext.spread_bias_share(share_nc, *geometry), spread, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", [CONV_CASES[1], CONV_CASES[4], CONV_CASES[10]], ids=case_id)
+def test_conv_bias_free_backward_reads_only_the_ones_gradient(ext, case, dtype):
+    """Without a bias the share is ``grad_ones_out / S``: a NaN-filled ``grad`` (a strided
+    view, which a read or a copy would expose) gives the same bits as the formula."""
+    grad, _bias, gout, O, S = conv_inputs(case, dtype, True, True, seed=5)
+    nan_grad = torch.full((*grad.shape[:3], 2 * grad.shape[3]), float("nan"), dtype=dtype)[..., ::2]
+    assert not nan_grad.is_contiguous()
+    share = ext.bias_share(nan_grad, None, gout, S)
+    assert_close_scaled(share, bias_share_reference(grad, None, gout, S), conv_tolerance(dtype))
+    got = call_backward(ext, nan_grad, None, gout, S, case)
+    assert torch.isfinite(got).all()
+    zero_bias = torch.zeros(grad.shape[1], dtype=dtype)
+    assert_close_scaled(got, autograd_reference(grad, zero_bias, gout, O, case), conv_tolerance(dtype))
+
+
 def test_conv_bias_mixed_dtypes_and_thread_independence(ext):
     case = CONV_CASES[-1]
     grad, bias, gout, O, S = conv_inputs(case, torch.float16, True, True)

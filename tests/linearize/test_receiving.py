@@ -16,6 +16,7 @@ from omenn_kernels import Explainer
 from omenn_kernels.capture import capture
 from omenn_kernels.linearize import linearize, receiving
 from omenn_kernels.linearize.program import Kind
+from omenn_kernels.linearize.rules import linear as linear_rules
 from omenn_kernels.testing import randomize_
 
 
@@ -73,6 +74,28 @@ def test_a_vit_qkv_receives_on_its_value_third_only():
         assert blocks[f"blocks.{depth}.mlp.fc1"] is None
         assert blocks[f"blocks.{depth}.attn.proj"] is None
     assert blocks["head"] is None
+
+
+def test_a_bias_free_qkv_multiplies_its_value_third_only(monkeypatch):
+    """Without a bias the fused linear still runs (no ones work, the receiving block only)."""
+    torch.manual_seed(0)
+    model = randomize_(timm.create_model("vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2,
+                                         qkv_bias=False).double().eval())
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    calls = []
+    fused = linear_rules.linear_ones
+
+    def spy(x, ones, weight, bias, start, stop):
+        calls.append((bias is None, start, stop, weight.shape[0]))
+        return fused(x, ones, weight, bias, start, stop)
+
+    monkeypatch.setattr(linear_rules, "linear_ones", spy)
+    got = Explainer(model, backend="fused")(x, 3)
+    want = Explainer(model, backend="reference")(x, 3)
+    width = model.embed_dim
+    assert calls.count((True, 2 * width, 3 * width, 3 * width)) == 2
+    for name in ("contribution", "weight", "bias"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-10, atol=1e-12)
 
 
 def test_a_value_too_large_to_follow_counts_every_feature(monkeypatch):

@@ -44,10 +44,10 @@ def _linear(op, *args, receiving: tuple[int, int] | None = None, **kwargs):
     return Live(value, ones)
 
 
-def _linear_parameter_gradients(x: torch.Tensor, ones_bar: torch.Tensor):
-    def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = grad.flatten(0, -2)
-        return rows.transpose(0, 1).matmul(x.flatten(0, -2)), (grad * ones_bar).flatten(0, -2).sum(0)
+def _linear_parameter_gradients(x: torch.Tensor, ones_bar: torch.Tensor, has_bias: bool):
+    def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        grad_weight = grad.flatten(0, -2).transpose(0, 1).matmul(x.flatten(0, -2))
+        return (grad_weight, (grad * ones_bar).flatten(0, -2).sum(0)) if has_bias else (grad_weight,)
     return gradients
 
 
@@ -62,7 +62,7 @@ class _LinearOfHeld(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, ones_bar: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+    def forward(ctx, x: torch.Tensor, ones_bar: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 held_output: torch.Tensor, receiving: tuple[int, int]) -> torch.Tensor:
         ctx.save_for_backward(weight, bias)
         ctx.ones_shape, ctx.receiving = ones_bar.shape, receiving
@@ -71,22 +71,24 @@ class _LinearOfHeld(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         weight, bias = ctx.saved_tensors
-        grad_ones_bar = grad.matmul(bias.to(grad.dtype)).unsqueeze(-1).sum_to_size(ctx.ones_shape)
+        grad_ones_bar = None
+        if bias is not None:
+            grad_ones_bar = grad.matmul(bias.to(grad.dtype)).unsqueeze(-1).sum_to_size(ctx.ones_shape)
         return linear_input_grad(grad, weight, *ctx.receiving), grad_ones_bar, None, None, None, None
 
 
 def _fused_linear(op, *args, receiving: tuple[int, int] | None = None, value_gradient: bool = False,
                   **kwargs):
-    """R1 through ``omenn::linear_ones`` when the linear has a bias; from the held output
-    where there is one (:class:`_LinearOfHeld`). The backward multiplies only the
-    ``receiving`` block of output features (see :class:`~omenn_kernels.linearize.registry.Rule`)."""
+    """R1 through ``omenn::linear_ones``; from the held output where there is one
+    (:class:`_LinearOfHeld`). The backward multiplies only the ``receiving`` block of output
+    features (see :class:`~omenn_kernels.linearize.registry.Rule`); without a bias it does
+    no ones work."""
     x, weight, bias = arguments(op, args, kwargs)
-    if bias is None or not isinstance(x, Live) or isinstance(weight, (Live, Gate)) \
-            or isinstance(bias, (Live, Gate)):
+    if not isinstance(x, Live) or isinstance(weight, (Live, Gate)) or isinstance(bias, (Live, Gate)):
         return _linear(op, *args, **kwargs)
     block = receiving if receiving is not None else (0, weight.shape[0])
     ones_bar = x.ones.mean(-1, keepdim=True)
-    if reached(ones_bar) is not ones_bar:  # R11' fills padded positions: the reference math
+    if bias is not None and reached(ones_bar) is not ones_bar:  # R11' fills padded positions: the reference math
         return _linear(op, *args, **kwargs)
     if x.held is not None:
         held = F.linear(x.held, weight, bias)
@@ -94,8 +96,9 @@ def _fused_linear(op, *args, receiving: tuple[int, int] | None = None, value_gra
     ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
     value, ones_bar = linear_ones(x.value, ones, weight, bias, *block)
     if value_gradient:  # the weight's and bias's gradient on a node of its own (Rule.fused_differentiable)
-        value = with_parameter_gradient(value, (weight, bias),
-                                        _linear_parameter_gradients(x.value.detach(), ones_bar.detach()))
+        value = with_parameter_gradient(value, (weight,) if bias is None else (weight, bias),
+                                        _linear_parameter_gradients(x.value.detach(), ones_bar.detach(),
+                                                                    bias is not None))
     return Live(value, ones_bar)
 
 
