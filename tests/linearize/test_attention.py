@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from omenn_kernels import UnsupportedOpError, explain
+from omenn_kernels import explain
 from omenn_kernels.linearize.rules import attention
 from omenn_kernels.linearize.rules.attention import attended, attention_weights
 from omenn_kernels.linearize.values import Gate, Live

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from omenn_kernels import Explainer, UnsupportedOpError, explain
+from omenn_kernels import Explainer, explain
 from omenn_kernels.linearize import lookup
 from omenn_kernels.linearize.rules import conv as conv_rules
 from omenn_kernels.linearize.rules.conv import convolved, receptive_ones
