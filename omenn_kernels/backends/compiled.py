@@ -12,7 +12,10 @@ graph, has each folded convolution's input gradient read the unfolded kernel
 and compiles that graph (Inductor; CUDA graphs on CUDA). Most fused ops are traced as
 their aten math, so that Inductor fuses them with their neighbours
 (:func:`~omenn_kernels.ops.traced_as_aten`). Later calls with the same signature run
-the compiled graph only: no Python per node, no rule dispatch. A program that serves
+the compiled graph only: no Python per node, no rule dispatch. Every call of a signature,
+the first included, returns the compiled graph's numbers (the first one's come from its
+check run), so results do not depend on which call compiled: a resumed bulk run equals
+an uninterrupted one. A program that serves
 several batch sizes (:func:`~omenn_kernels.capture.capture`) is traced and compiled once
 per batch size, without capturing or linearizing again.
 
@@ -173,11 +176,12 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     trained = _trained(program, model, parameter_gradient)
     key = _signature(x, target, parameter_gradient, trained)
     compiled = program.compiled.pop(key, None)
-    if compiled is None:  # the first call of this signature: eager, then traced and compiled
-        result = fused.explain_batch(program, model, x, target, parameter_gradient)
+    if compiled is None:  # the first call of this signature: eager, then traced, compiled and checked
+        expected = fused.explain_batch(program, model, x, target, parameter_gradient)
         with CAPTURE_LOCK:  # make_fx, like torch.export, holds process-wide dispatch modes while it traces
-            _keep(program, key, _compiled(program, model, x, target, parameter_gradient, trained, result))
-        return result
+            compiled, outputs = _compiled(program, model, x, target, parameter_gradient, trained, expected)
+            _keep(program, key, compiled)
+        return expected if compiled is _FAILED else _owned(outputs, x, parameter_gradient)
     _keep(program, key, compiled)
     if compiled is _FAILED:
         return fused.explain_batch(program, model, x, target, parameter_gradient)
@@ -186,7 +190,12 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     # differentiable one records its compiled backward for the caller's loss.
     with torch.set_grad_enabled(parameter_gradient is not None), CAPTURE_LOCK:
         outputs = compiled.run(*_graph_inputs(x, target, trained))
-    # Under CUDA graphs every run writes its outputs into the same buffers: copies outlive the next run.
+    return _owned(outputs, x, parameter_gradient)
+
+
+def _owned(outputs, x: torch.Tensor, parameter_gradient: ParameterGradient | None) -> tuple[torch.Tensor, ...]:
+    """The compiled graph's outputs as the caller's: under CUDA graphs every run writes its
+    outputs into the same buffers, so copies, which outlive the next run."""
     return tuple(output.clone() for output in outputs) if x.is_cuda and parameter_gradient is None \
         else tuple(outputs)
 
@@ -203,8 +212,9 @@ _FAILED = object()  # a signature whose trace or compilation failed: it runs on 
 
 def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, target,
               parameter_gradient: ParameterGradient | None, trained: dict[str, torch.Tensor],
-              expected: tuple[torch.Tensor, ...]) -> CompiledExplanation | object:
-    """The traced and compiled explanation of ``target``'s signature, checked against ``expected``.
+              expected: tuple[torch.Tensor, ...]) -> tuple[CompiledExplanation | object, tuple | None]:
+    """The traced and compiled explanation of ``target``'s signature, checked against ``expected``,
+    and the outputs of its check run on this input.
 
     Two checks against the fused backend's explanation of the same input: the traced graph,
     run as it is, must reproduce it to rounding (where it calls the same ops in the same
@@ -213,8 +223,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     must too in float32 and float64, and in half precision must give the same logits and a
     complete explanation (see :func:`_mismatch`). A differentiable explanation's compiled
     graph must also give the parameters the fused backend's gradient
-    (:func:`_gradient_mismatch`). Returns ``_FAILED`` (after one warning naming the cause)
-    where tracing or compiling fails or a check does not hold.
+    (:func:`_gradient_mismatch`). Returns ``(_FAILED, None)`` (after one warning naming the
+    cause) where tracing or compiling fails or a check does not hold.
     """
     differentiable = parameter_gradient is not None
     head = len(_graph_inputs(x, target, {}))
@@ -252,18 +262,18 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
                       f"{type(model).__name__} on an input of shape {tuple(x.shape)} ({type(error).__name__}: "
                       f"{str(error).splitlines()[0] if str(error) else ''}); this signature runs on the "
                       "fused backend", RuntimeWarning, stacklevel=5)
-        return _FAILED
+        return _FAILED, None
     if mismatch:
         warnings.warn(f"omenn_kernels: the {mismatch.format(type(model).__name__)}; this signature runs on the "
                       "fused backend", RuntimeWarning, stacklevel=5)
-        return _FAILED
+        return _FAILED, None
     seconds = time.perf_counter() - start
     log.info("compiled the explanation of %s for input %s %s and target %s%s in %.1f s (%d aten nodes, "
              "%d shape-only values folded)", type(model).__name__, tuple(x.shape), x.dtype,
              _signature(x, target, parameter_gradient, trained)[0],
              f", differentiable ({parameter_gradient}, {len(trained)} parameter tensors)" if differentiable else "",
              seconds, sum(node.op == "call_function" for node in graph.graph.nodes), folded)
-    return CompiledExplanation(graph, compiled, seconds)
+    return CompiledExplanation(graph, compiled, seconds), result
 
 
 def _detached(outputs) -> tuple[torch.Tensor, ...]:

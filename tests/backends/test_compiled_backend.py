@@ -195,6 +195,24 @@ def test_a_compiled_graph_that_differs_is_not_used(monkeypatch):
     _assert_equal_explanations(explainer(x, 1), Explainer(model, backend="reference")(x, 1), torch.float64)
 
 
+def test_every_call_of_a_signature_gives_the_compiled_graphs_numbers(monkeypatch):
+    """The first call too (its numbers are those of the compile-time check run), so results do
+    not depend on which call compiled: here the graph rounds unlike the fused backend (its
+    floating outputs scaled by 1 + 1e-12, within the check's tolerance)."""
+    model, x = _model("cnn", torch.float64)
+
+    def rounding_otherwise(graph, example):
+        return lambda *inputs: tuple(t * (1 + 1e-12) if t.is_floating_point() else t for t in graph(*inputs))
+    monkeypatch.setattr(compiled, "COMPILER", rounding_otherwise)
+    explainer = Explainer(model, backend="compiled")
+    first, second = explainer(x, 1), explainer(x, 1)
+    for field in ("contribution", "weight", "bias", "logit", "logits"):
+        assert torch.equal(getattr(first, field), getattr(second, field)), field
+    eager = Explainer(model, backend="fused")(x, 1)
+    assert not torch.equal(first.weight, eager.weight)
+    _assert_equal_explanations(first, eager, torch.float64)
+
+
 def test_in_half_precision_the_compiled_graph_is_held_to_its_logits_and_completeness(monkeypatch):
     """bfloat16: a correct graph is used (its weight may differ from the fused backend's by
     rounding); one that lost its map (all zeros) is not complete and is not used."""

@@ -1,8 +1,9 @@
 """``create_graph=True`` on the compiled backend: the explanation and its parameter gradient
 compiled as one graph per signature.
 
-* The second call of a signature runs the compiled graph only (the fused backend is not
-  called), with the reference's values and parameter gradients (float64, rtol 1e-9) for
+* The first call of a signature returns the compiled graph's check run (whose backward
+  the check ran once already), the second runs the compiled graph only (the fused backend
+  is not called); both with the reference's values and parameter gradients (float64, rtol 1e-9) for
   both kinds of parameter gradient, on every small family: smooth CNN, ViT, and the ReLU
   CNN, whose fused eager path takes its logits' gradient from parameter paths that a
   trace cannot record (the compiled one runs the held forward instead).
@@ -83,7 +84,7 @@ def test_compiled_training_matches_reference(traced, monkeypatch, family, parame
         warnings.simplefilter("error", RuntimeWarning)
         first = explainer(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
         second = _compiled_call(explainer, x, parameter_gradient, monkeypatch)
-    _assert_matches_reference(model, x, first, parameter_gradient)  # the fused backend's, graph kept
+    _assert_matches_reference(model, x, first, parameter_gradient)  # the check run's: its backward runs again
     _assert_matches_reference(model, x, second, parameter_gradient)
 
 
