@@ -243,7 +243,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         return weight.detach(), bias.detach(), explained.detach(), chosen, logits.detach()
 
     example = _graph_inputs(x, target, trained)
-    decompositions = traced_as_aten(x.device)
+    decompositions = traced_as_aten(x.device, differentiable)
     start = time.perf_counter()
     try:
         graph = make_fx(explanation, decomposition_table=decompositions)(*example)

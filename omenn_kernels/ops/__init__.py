@@ -11,6 +11,7 @@ module                  op (``torch.ops.omenn``)     CPU                        
 ``attention``           ``attention`` (R6)           the reference math               ``triton_kernels/attention.py``
 ``linear_ones``         ``linear_ones`` (R1)         aten products                    aten products
 ``batch_norm_ones``     ``batch_norm_ones`` (R3)     aten products                    aten products
+``max_pool``            ``max_pool_indices`` (R13')  ATen's max pooling               ATen's max pooling
 ======================  ===========================  ===============================  ==============================
 
 Ops with a Triton kernel are ``torch.library.triton_op``: under ``torch.compile`` Inductor
@@ -49,7 +50,7 @@ def kernels_available(tensor: torch.Tensor) -> bool:
     return False
 
 
-def traced_as_aten(device: torch.device) -> dict:
+def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
     """The fused ops that a compiled explanation on ``device`` traces as their aten math: a
     decomposition table for ``make_fx``, so that Inductor fuses them with their neighbours.
 
@@ -63,6 +64,11 @@ def traced_as_aten(device: torch.device) -> dict:
     call); BatchNorm and the linear layers' forward stay opaque calls (traced, BatchNorm made
     a batch of ResNet-50 slower, and the linear forward made Inductor's code generation
     several times slower).
+
+    A ``differentiable`` explanation (``create_graph``, differentiated again by AOTAutograd)
+    keeps the convolutions' input gradient an op of its own, whose registered backward takes
+    the weight's part as a weight gradient; differentiated as aten, it is a convolution over
+    the batch, as in autograd's double backward of a convolution.
     """
     from . import activation, batch_norm_ones, conv_bias, linear_ones
 
@@ -70,8 +76,9 @@ def traced_as_aten(device: torch.device) -> dict:
     table = {omenn.activation.default: activation.reference,
              omenn.activation_backward.default: activation.reference_backward,
              omenn.linear_input_grad.default: linear_ones.input_grad,
-             omenn.conv2d_ones.default: conv_bias.value_and_ones,
-             omenn.conv2d_input_grad.default: conv_bias.input_grad}
+             omenn.conv2d_ones.default: conv_bias.value_and_ones}
+    if not differentiable:
+        table[omenn.conv2d_input_grad.default] = conv_bias.input_grad
     if device.type == "cuda":
         table.update({omenn.linear_ones.default: linear_ones.value_and_ones,
                       omenn.batch_norm_ones.default: batch_norm_ones.value,

@@ -236,13 +236,13 @@ def test_in_half_precision_the_compiled_graph_is_held_to_its_logits_and_complete
 def test_the_ops_traced_as_aten_math_equal_the_reference(name, device, traced, monkeypatch):
     """The decomposition table of a trace on each device (:func:`~omenn_kernels.ops.traced_as_aten`),
     run on the CPU: float64, equal to the reference; the graph calls no fused op but those the
-    table keeps (on CUDA: attention and the convolution's ones backward)."""
+    table keeps (on CUDA: attention, the convolution's ones backward and max pooling's arg-max)."""
     from omenn_kernels import ops
 
     table = ops.traced_as_aten(torch.device(device))
     cpu_table, cuda_table = ops.traced_as_aten(torch.device("cpu")), ops.traced_as_aten(torch.device("cuda"))
     assert cpu_table and set(cpu_table) < set(cuda_table)
-    monkeypatch.setattr(compiled, "traced_as_aten", lambda _: table)
+    monkeypatch.setattr(compiled, "traced_as_aten", lambda *_: table)
     model, x = _model(name, torch.float64)
     reference, explainer = Explainer(model, backend="reference"), Explainer(model, backend="compiled")
     target = torch.tensor([1, 0])
@@ -256,7 +256,7 @@ def test_the_ops_traced_as_aten_math_equal_the_reference(name, device, traced, m
     assert not called & set(table)
     if device == "cuda":
         kept = {"omenn.attention.default", "omenn.attention_backward_dv.default",
-                "omenn.conv2d_ones_backward.default"}
+                "omenn.conv2d_ones_backward.default", "omenn.max_pool_indices.default"}
         assert {str(op) for op in called if str(op).startswith("omenn.")} <= kept
     assert any(str(op).startswith(("aten.convolution", "aten.mm", "aten.bmm")) for op in called)
 

@@ -16,7 +16,7 @@ import torch
 from omenn_kernels import Explainer, explain
 from omenn_kernels.linearize.rules import activation as activation_rules
 from omenn_kernels.linearize.rules import conv as conv_rules
-from omenn_kernels.ops import activation, attention, batch_norm_ones, conv_bias, linear_ones
+from omenn_kernels.ops import activation, attention, batch_norm_ones, conv_bias, linear_ones, max_pool
 from omenn_kernels.testing import FAMILIES, randomize_, relative_distance
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -244,6 +244,23 @@ def test_bias_free_conv2d_ones_backward_reads_no_output_gradient(monkeypatch):
     s = torch.nn.functional.conv2d(ones, ones.new_ones(1, 1, 3, 3), None, stride, padding, dilation)
     (expected,) = torch.autograd.grad(((s / s.detach()) * grad_ones).sum(), [ones])
     torch.testing.assert_close(dones, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape, kernel, stride, padding, dilation, ceil_mode", [
+    ((2, 20, 9, 11), [3, 3], [2, 2], [1, 1], [1, 1], False),   # channels-last inside
+    ((2, 3, 9, 11), [2, 3], [], [0, 1], [2, 1], True),          # RGB: channels-first
+    ((2, 5, 13), [3], [2], [1], [1], True),                    # 1-D
+    ((1, 4, 5, 6, 7), [2, 2, 2], [2, 1, 2], [1, 0, 1], [1, 1, 1], False),  # 3-D
+], ids=["2d_channels_last", "2d_rgb_ceil", "1d", "3d"])
+def test_max_pool_indices_are_the_poolings(shape, kernel, stride, padding, dilation, ceil_mode):
+    """The arg-max of ATen's pooling, channels-first; ties (a quantized input) at the first maximum."""
+    x = torch.randn(*shape).mul(2).round()
+    got = max_pool.max_pool_indices(x, kernel, stride, padding, dilation, ceil_mode)
+    pool = {3: torch.nn.functional.max_pool1d, 4: torch.nn.functional.max_pool2d,
+            5: torch.nn.functional.max_pool3d}[x.dim()]
+    want = pool(x, kernel, stride or None, padding, dilation, ceil_mode, return_indices=True)[1]
+    assert got.is_contiguous() and torch.equal(got, want)
+    _opcheck(torch.ops.omenn.max_pool_indices.default, (x, kernel, stride, padding, dilation, ceil_mode))
 
 
 def _attention_inputs(with_bias: bool):

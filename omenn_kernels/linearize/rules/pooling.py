@@ -13,15 +13,12 @@ sums: the ones summed the same way and renormalized.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ...ops.max_pool import max_pool_indices, window
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Live, full_ones, ones_from_values, renormalized
 
 aten = torch.ops.aten
-
-_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
-_CHANNELS_LAST_FROM = 16  # channels; with fewer (an RGB image) the copy costs more than it saves
 
 
 # Ops that mix the channel dim with others (its size matters), so shared ones are expanded first.
@@ -76,7 +73,8 @@ class _AddedAtArgMax(torch.autograd.Function):
 
 
 def _max_pool(op, *args, **kwargs):
-    """R13': max pooling; the value and the ones are read at the arg-max.
+    """R13': max pooling; the value and the ones are read at the arg-max
+    (``omenn::max_pool_indices``, :mod:`omenn_kernels.ops.max_pool`).
 
     The value is gathered rather than taken from the pooling itself: a pooling's backward
     reads its input, so a differentiated backward (``create_graph``) would send zeros into
@@ -85,14 +83,8 @@ def _max_pool(op, *args, **kwargs):
     x, kernel, stride, padding, dilation, ceil_mode = arguments(op, args, kwargs)
     ones_from_values(x.ones)  # the arg-max decides which ones are read
     spatial = x.value.dim() - 2
-    pooled = x.value.detach()
-    if pooled.device.type == "cpu" and pooled.dim() == 4 and pooled.shape[1] >= _CHANNELS_LAST_FROM:
-        # ATen's CPU max pooling vectorizes over channels only in channels-last memory: 4–10×
-        # faster than on channels-first tensors, copy included, with the same arg-max (the first).
-        pooled = pooled.contiguous(memory_format=torch.channels_last)
-    # Channels-first indices: gathers and scatters with channels-last ones are ~3× slower.
-    indices = _MAX_POOL[spatial](pooled, kernel, stride or None, padding, dilation, ceil_mode,
-                                 return_indices=True)[1].contiguous()
+    indices = max_pool_indices(x.value.detach(), window(kernel, spatial), window(stride, spatial),
+                               window(padding, spatial), window(dilation, spatial), bool(ceil_mode))
     flat = indices.flatten(-spatial)
     value = x.value.flatten(-spatial).gather(-1, flat).view(indices.shape)
     if x.ones.dim() == x.value.dim() == 4 and x.ones.shape[1] == 1 and x.value.shape[1] > 1:

@@ -1,0 +1,52 @@
+"""Op ``omenn::max_pool_indices``: R13''s arg-max of a max pooling, from ATen's pooling.
+
+The rule (:func:`~omenn_kernels.linearize.rules.pooling._max_pool`) reads the value and
+the ones at each window's arg-max. Traced as aten, the pooling's arg-max is code that
+Inductor generates itself: scalar loops over each window, repeated in every kernel that
+reads the indices. As an op of its own it runs once per call, as ATen's pooling (vectorized over the
+channels in channels-last memory on the CPU), and compiled code reads its indices from
+memory. The indices are integers: the op has no gradient.
+
+Kernels: ATen's max pooling on every device. Reference: ``F.max_pool{1,2,3}d(...,
+return_indices=True)``, the same call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_CHANNELS_LAST_FROM = 16  # channels; with fewer (an RGB image) the copy costs more than it saves
+
+
+def window(value, spatial: int) -> list[int]:
+    """A pooling's kernel, stride, padding or dilation argument as ``spatial`` ints."""
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value] * (spatial // len(value)) if value else []
+    return [int(value)] * spatial
+
+
+def indices(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int],
+            ceil_mode: bool) -> torch.Tensor:
+    """:func:`max_pool_indices` (its implementation and its fake): channels-first indices."""
+    if x.device.type == "cpu" and x.dim() == 4 and x.shape[1] >= _CHANNELS_LAST_FROM:
+        # ATen's CPU max pooling vectorizes over channels only in channels-last memory, where it
+        # is faster, copy included, with the same arg-max (the first).
+        x = x.contiguous(memory_format=torch.channels_last)
+    # Channels-first indices: gathers and scatters with channels-last ones are slower.
+    return _MAX_POOL[x.dim() - 2](x, kernel, stride or None, padding, dilation, ceil_mode,
+                                  return_indices=True)[1].contiguous()
+
+
+@torch.library.custom_op("omenn::max_pool_indices", mutates_args=())
+def max_pool_indices(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int],
+                     dilation: list[int], ceil_mode: bool) -> torch.Tensor:
+    """The flat arg-max of each window over the spatial dims of ``x`` (N, C, *spatial), as
+    ``F.max_pool{1,2,3}d(..., return_indices=True)`` returns it (an empty ``stride``: the kernel's)."""
+    return indices(x, kernel, stride, padding, dilation, ceil_mode)
+
+
+@max_pool_indices.register_fake
+def _max_pool_indices_fake(x, kernel, stride, padding, dilation, ceil_mode):
+    return indices(x, kernel, stride, padding, dilation, ceil_mode)
