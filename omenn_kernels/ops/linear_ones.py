@@ -7,7 +7,7 @@ projection whose query and key thirds feed only the attention weights, ``dX = dY
 shrinks to the value third, one of the three products a gradient computes there.
 ``omenn::linear_input_grad`` (that product) differentiates again over the same
 features, so explanations differentiable with respect to the parameters run it too. Without
-a bias the backward does no ones work but pass on the ones' own gradient.
+a bias the backward does no ones work beyond passing on the ones' own gradient.
 
 Kernels: aten's matrix products on every device. Reference: the rule's ``_linear``
 (:mod:`omenn_kernels.linearize.rules.linear`), ``F.linear`` with autograd.

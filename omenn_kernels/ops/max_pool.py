@@ -20,13 +20,6 @@ _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _CHANNELS_LAST_FROM = 16  # channels; with fewer (an RGB image) the copy costs more than it saves
 
 
-def window(value, spatial: int) -> list[int]:
-    """A pooling's kernel, stride, padding or dilation argument as ``spatial`` ints."""
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value] * (spatial // len(value)) if value else []
-    return [int(value)] * spatial
-
-
 def indices(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int],
             ceil_mode: bool) -> torch.Tensor:
     """:func:`max_pool_indices` (its implementation and its fake): channels-first indices."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ...ops.max_pool import max_pool_indices, window
+from ...ops.conv_bias import pair
+from ...ops.max_pool import max_pool_indices
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Live, full_ones, ones_from_values, renormalized
 
@@ -83,8 +84,9 @@ def _max_pool(op, *args, **kwargs):
     x, kernel, stride, padding, dilation, ceil_mode = arguments(op, args, kwargs)
     ones_from_values(x.ones)  # the arg-max decides which ones are read
     spatial = x.value.dim() - 2
-    indices = max_pool_indices(x.value.detach(), window(kernel, spatial), window(stride, spatial),
-                               window(padding, spatial), window(dilation, spatial), bool(ceil_mode))
+    # An empty stride is the kernel's (aten's default), passed on as it is.
+    indices = max_pool_indices(x.value.detach(), pair(kernel, spatial), pair(stride, spatial) if stride else [],
+                               pair(padding, spatial), pair(dilation, spatial), bool(ceil_mode))
     flat = indices.flatten(-spatial)
     value = x.value.flatten(-spatial).gather(-1, flat).view(indices.shape)
     if x.ones.dim() == x.value.dim() == 4 and x.ones.shape[1] == 1 and x.value.shape[1] > 1:
