@@ -30,7 +30,7 @@ MAX_SYNCS = 1
 COMMITTED_OPS = {
     ("parts_vit", "reference"): 1090, ("parts_vit", "fused"): 948,
     ("parts_cnn", "reference"): 610, ("parts_cnn", "fused"): 420,
-    ("vit_base_patch16_224", "reference"): 3110, ("vit_base_patch16_224", "fused"): 2759,
+    ("vit_base_patch16_224", "reference"): 3110, ("vit_base_patch16_224", "fused"): 2157,
     ("resnet50", "reference"): 3386, ("resnet50", "fused"): 1702,
 }
 
@@ -92,8 +92,8 @@ def test_ops_and_syncs_per_explanation(name):
 # Inductor's fusion choices vary with the state of its cache, and the count with them by
 # up to 7 ops (parts_cnn: 74 and 81 from two empty caches): the committed values are the
 # counts seen plus 7 (parts_vit, seen at 69 and 67: plus 5; parts_cnn, seen at 57 with max
-# pooling's arg-max an op of its own).
-COMMITTED_COMPILED_OPS = {"parts_vit": 72, "parts_cnn": 64, "vit_base_patch16_224": 162, "resnet50": 186}
+# pooling's arg-max an op of its own; vit_base_patch16_224, seen at 143 with attention an op).
+COMMITTED_COMPILED_OPS = {"parts_vit": 72, "parts_cnn": 64, "vit_base_patch16_224": 150, "resnet50": 186}
 LARGE = pytest.mark.skipif(os.environ.get("OMENN_COMPILE_LARGE") != "1",
                            reason="compiles for minutes; set OMENN_COMPILE_LARGE=1")
 

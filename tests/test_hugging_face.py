@@ -17,6 +17,8 @@ from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig
                           ViTForImageClassification)
 
 from omenn_kernels import Explainer, explain
+from omenn_kernels.linearize.rules import attention as attention_rules
+from omenn_kernels.ops import attention as attention_op
 from omenn_kernels.testing import randomize_
 
 DT = torch.float64
@@ -31,6 +33,23 @@ def _assert_backends_agree(explanations: dict, atol: float = 1e-12) -> None:
     for e in explanations.values():
         torch.testing.assert_close(e.contribution, reference.contribution, rtol=1e-9,
                                    atol=atol * float(reference.contribution.abs().max()))
+
+
+def _through_the_attention_op(monkeypatch, explanation):
+    """``explanation()`` on the fused backend with every SDPA through ``omenn::attention`` (on the
+    CPU only attention weights larger than one chunk take it; here every size does)."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        return attention_op.attention(*args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(attention_rules, "_CHUNK_BYTES", 0)
+        patch.setattr(attention_rules, "attention", counted)
+        result = explanation()
+    assert calls
+    return result
 
 
 def test_a_vit_returning_its_hidden_states_is_explained_on_its_logits():
@@ -76,7 +95,7 @@ def _embedded(model, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         return model.get_input_embeddings()(ids), mask
 
 
-def test_a_bert_encoder_gives_each_token_its_contribution_and_padding_exactly_zero():
+def test_a_bert_encoder_gives_each_token_its_contribution_and_padding_exactly_zero(monkeypatch):
     bert = _bert()
     embeddings, mask = _embedded(bert, seed=4)
     model = OnEmbeddings(bert, mask)
@@ -84,6 +103,8 @@ def test_a_bert_encoder_gives_each_token_its_contribution_and_padding_exactly_ze
         logit = model(embeddings).logits[:, 1]
     explanations = {backend: explain(model, embeddings, 1, backend=backend, feature_dim=-1)
                     for backend in ("reference", "fused")}
+    explanations["attention op"] = _through_the_attention_op(
+        monkeypatch, lambda: explain(model, embeddings, 1, backend="fused", feature_dim=-1))
     e = explanations["reference"]
     assert e.contribution.shape == (3, 8)  # one contribution per token
     assert _relative(e.contribution.sum(1), logit) <= 1e-10
@@ -117,7 +138,7 @@ class NextToken(nn.Module):
         return self.model(inputs_embeds=embeddings, use_cache=False)
 
 
-def test_a_llama_style_model_explains_its_next_token_logit():
+def test_a_llama_style_model_explains_its_next_token_logit(monkeypatch):
     config = LlamaConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=48, max_position_embeddings=32,
                          tie_word_embeddings=False)
@@ -131,6 +152,8 @@ def test_a_llama_style_model_explains_its_next_token_logit():
     explanations = {backend: explain(model, embeddings, next_token, backend=backend, feature_dim=-1,
                                      output=lambda out: out.logits[:, -1])
                     for backend in ("reference", "fused")}
+    explanations["attention op"] = _through_the_attention_op(monkeypatch, lambda: explain(
+        model, embeddings, next_token, backend="fused", feature_dim=-1, output=lambda out: out.logits[:, -1]))
     e = explanations["reference"]
     assert e.contribution.shape == (2, 7)
     assert _relative(e.contribution.sum(1), logits.gather(1, next_token[:, None])[:, 0]) <= 1e-6

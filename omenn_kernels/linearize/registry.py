@@ -35,9 +35,9 @@ class Rule:
             ``value_gradient`` (whether the value must carry its own parameter gradient:
             the linearized logits are then the model's). False: such explanations run
             ``reference`` for this rule.
-        fused_devices: the device types on which ``fused`` runs a fused op at all (it runs
-            the reference math elsewhere), so that a fallback is reported only where it
-            changes something.
+        fused_devices: the device types on which ``fused`` is the rule's usual path (it may
+            run the reference math elsewhere), so that a differentiable explanation's
+            fallback to ``reference`` is reported only where it changes something.
         factor_args: argument positions where a Gate/CONST operand only scales a
             LIVE operand (multiplications): a gate may end there.
         gate_args: argument positions consumed only through a gate (the query and

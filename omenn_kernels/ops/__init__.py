@@ -8,7 +8,8 @@ module                  op (``torch.ops.omenn``)     CPU                        
 ======================  ===========================  ===============================  ==============================
 ``activation``          ``activation`` (R4)          ``csrc/activation.cpp``          ``triton_kernels/activation.py``
 ``conv_bias``           ``conv2d_ones`` (R2)         ``csrc/conv_bias.cpp``           ``triton_kernels/conv_bias.py``
-``attention``           ``attention`` (R6)           the reference math               ``triton_kernels/attention.py``
+``attention``           ``attention`` (R6)           ATen's flash attention; ``dV``   ``triton_kernels/attention.py``
+                                                     over chunks of heads
 ``linear_ones``         ``linear_ones`` (R1)         aten products                    aten products
 ``batch_norm_ones``     ``batch_norm_ones`` (R3)     aten products                    aten products
 ``max_pool``            ``max_pool_indices`` (R13')  ATen's max pooling               ATen's max pooling
@@ -61,9 +62,9 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
     (one Triton kernel where aten needs a window-sum convolution) is traced as aten. On the
     CPU the activations, the convolutions and the linear layers' input gradient are (a traced
     convolution is called by the compiled graph itself, not through a custom op's Python
-    call); BatchNorm and the linear layers' forward stay opaque calls (traced, BatchNorm made
-    a batch of ResNet-50 slower, and the linear forward made Inductor's code generation
-    several times slower).
+    call); attention (ATen's flash attention, never the T×T weights), BatchNorm and the
+    linear layers' forward stay opaque calls (traced, BatchNorm made a batch of ResNet-50
+    slower, and the linear forward made Inductor's code generation several times slower).
 
     A ``differentiable`` explanation (``create_graph``, differentiated again by AOTAutograd)
     keeps the convolutions' input gradient an op of its own, whose registered backward takes

@@ -73,6 +73,7 @@ def test_the_traced_attention_is_one_block_where_eager_runs_it_in_chunks(traced,
     from omenn_kernels.linearize.rules import attention
 
     monkeypatch.setattr(attention, "_CHUNK_BYTES", 1)  # one head per chunk when eager
+    monkeypatch.setattr(attention, "_weights_fit_one_chunk", lambda q, k: True)  # written out, not the op
     model, x = _model("vit", torch.float64)
     explainer = Explainer(model, backend="compiled")
     expected = Explainer(model, backend="reference")(x, 1)
@@ -85,6 +86,34 @@ def test_the_traced_attention_is_one_block_where_eager_runs_it_in_chunks(traced,
                  for m in model.modules())
     assert layers and sum("softmax" in t for t in targets) == layers
     assert not [t for t in targets if t.endswith("_out") or ".out" in t]
+
+
+@pytest.mark.parametrize("weights_fit_one_chunk", [True, False], ids=["written-out", "never-written"])
+def test_attention_weights_larger_than_one_chunk_are_never_written_in_the_graph(weights_fit_one_chunk, traced,
+                                                                                monkeypatch):
+    """On the CPU, attention whose weights do not fit in one chunk runs ``omenn::attention``
+    in the traced graph: no value of T×T per head, forward or backward, and the reference's
+    numbers. Weights that fit are written out (the check sees them there)."""
+    from omenn_kernels.linearize.rules import attention
+
+    if not weights_fit_one_chunk:
+        monkeypatch.setattr(attention, "_CHUNK_BYTES", 0)
+    model, x = _model("vit", torch.float64)
+    explainer = Explainer(model, backend="compiled")
+    expected = Explainer(model, backend="reference")(x, 1)
+    for _ in range(2):
+        _assert_equal_explanations(explainer(x, 1), expected, torch.float64)
+    program, _ = explainer.program(x)
+    (explanation,) = program.compiled.values()
+    tokens = model.patch_embed.num_patches + model.num_prefix_tokens
+    square = [node for node in explanation.graph.graph.nodes
+              if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].shape[-2:] == (tokens, tokens)]
+    calls = [node for node in explanation.graph.graph.nodes if node.target == torch.ops.omenn.attention.default]
+    layers = len(model.blocks)
+    if weights_fit_one_chunk:
+        assert len(square) >= layers and not calls
+    else:
+        assert not square and len(calls) == layers
 
 
 @pytest.mark.parametrize("name, dtype", [("vit", torch.float64), ("cnn", torch.float64), ("cnn", torch.float32)],

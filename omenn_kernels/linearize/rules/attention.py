@@ -8,10 +8,11 @@ ones of ``V`` (token identity, the paper's ``W̃_aug ⊗ I``).
 R6': when the queries are not the value tokens (another token count) the ones of
 ``Y`` are the attention-weighted mean of the value tokens' ones, renormalized.
 
-Fused op ``omenn::attention`` (R6 on CUDA; :mod:`omenn_kernels.ops.attention`): the
-forward is flash attention saving the log-sum-exp; the backward computes only
-``dV = Pᵀ·dO``. On the CPU the rule keeps its reference form, which saves ``A`` instead
-of recomputing it.
+Fused op ``omenn::attention`` (R6; :mod:`omenn_kernels.ops.attention`): the forward is
+flash attention saving the log-sum-exp; the backward computes only ``dV = Pᵀ·dO``. On the
+CPU, attention whose weights of all heads fit in one chunk (:data:`_CHUNK_BYTES`) keeps
+the reference form, which saves ``A`` instead of recomputing it; larger weights go
+through the op and are never written out.
 
 With held values that follow the parameters (a total parameter gradient, where an
 explanation inside a loss is differentiated twice), self-attention without a mask runs
@@ -306,16 +307,26 @@ def _additive_mask(mask, is_causal: bool, tq: int, tk: int, like: torch.Tensor) 
     return bias
 
 
-_FUSED_DEVICES = ("cuda",)  # the CPU keeps the reference form, which saves A instead of recomputing it
+# Where the op is the rule's usual path, so that a differentiable explanation's fallback to the
+# reference form is reported there: on the CPU the op serves only weights larger than one chunk,
+# and the reference form (weights in chunks of heads, _HeldAttention) is the differentiable path's own.
+_FUSED_DEVICES = ("cuda",)
+
+
+def _weights_fit_one_chunk(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the CPU would hold all heads' float32 weights in one chunk: then saving them
+    costs less than recomputing them for ``dV``, and little memory."""
+    return q.device.type == "cpu" and q[..., 0].numel() * k.shape[-2] * 4 <= _CHUNK_BYTES
 
 
 def _fused_sdpa(op, *args, **kwargs):
-    """R6 through ``omenn::attention`` on CUDA; the reference form elsewhere and for R6'."""
+    """R6 through ``omenn::attention``; the reference form for R6' and, on the CPU, for
+    weights that fit in one chunk."""
     query, key, value, mask, dropout, is_causal, scale, enable_gqa = arguments(op, args, kwargs)
     q, k = plain(query), plain(key)
     fusable = (isinstance(value, Live) and isinstance(query, (Live, Gate)) and not dropout
-               and value.value.device.type in _FUSED_DEVICES and kernels_available(value.value)
-               and q.shape[-2] == k.shape[-2] and q.dim() == 4)
+               and kernels_available(value.value)
+               and q.shape[-2] == k.shape[-2] and q.dim() == 4 and not _weights_fit_one_chunk(q, k))
     if not fusable:
         return _sdpa(op, *args, **kwargs)
     v, ones = value.value, value.ones
@@ -325,7 +336,9 @@ def _fused_sdpa(op, *args, **kwargs):
         ones = ones if ones.shape[-3] == 1 else ones.repeat_interleave(repeat, dim=-3)
     bias = _additive_mask(plain(mask), is_causal, q.shape[-2], k.shape[-2], q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out, _ = attention(q, k, v, bias, scale)
+    # The op keeps Q and K for dV: compact copies, so that a fused qkv projection's output
+    # (with its value third) is not kept alive through the backward.
+    out, _ = attention(q.contiguous(), k.contiguous(), v, bias, scale)
     return Live(out, ones)
 
 
