@@ -174,3 +174,27 @@ def test_explanations_through_the_op_equal_the_reference(name, dtype, monkeypatc
     tolerance = 1e-10 if dtype == torch.float64 else 1e-5
     for field in ("contribution", "weight", "bias", "logits"):
         assert relative_distance(getattr(got, field), getattr(want, field)) <= tolerance, field
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_under_autocast_the_op_follows_the_reference(dtype, monkeypatch):
+    """CPU autocast (a float32 ViT, low-precision matrix products): every SDPA through the op,
+    within the low precision's rounding of the reference under the same autocast (2e-2)."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args[0].dtype)
+        return attention.attention(*args)
+
+    monkeypatch.setattr(attention_rules, "_CHUNK_BYTES", 0)
+    monkeypatch.setattr(attention_rules, "attention", counted)
+    family = FAMILIES["vit"]
+    torch.manual_seed(4)
+    model = randomize_(family.build(), seed=4).eval()
+    x = torch.randn(2, 3, family.size, family.size)
+    with torch.autocast("cpu", dtype=dtype):
+        want = Explainer(model, backend="reference")(x, 1)
+        got = Explainer(model, backend="fused")(x, 1)
+    assert calls and set(calls) == {dtype}
+    assert relative_distance(got.contribution.float(), want.contribution.float()) <= 2e-2
+    assert relative_distance(got.logit.float(), want.logit.float()) <= 2e-2
