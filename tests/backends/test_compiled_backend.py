@@ -66,6 +66,19 @@ def test_compiled_equals_reference_on_every_family(name, traced):
         _assert_equal_explanations(explainer(x, target), expected, torch.float64)
 
 
+def _compiled_vit_graph() -> tuple[torch.nn.Module, torch.fx.Graph]:
+    """The ViT family's model and the traced graph of its compiled explanation, whose
+    numbers (first call and replay) are checked against the reference's."""
+    model, x = _model("vit", torch.float64)
+    explainer = Explainer(model, backend="compiled")
+    expected = Explainer(model, backend="reference")(x, 1)
+    for _ in range(2):
+        _assert_equal_explanations(explainer(x, 1), expected, torch.float64)
+    program, _ = explainer.program(x)
+    (explanation,) = program.compiled.values()
+    return model, explanation.graph.graph
+
+
 def test_the_traced_attention_is_one_block_where_eager_runs_it_in_chunks(traced, monkeypatch):
     """The CPU's eager attention runs over chunks of heads written into slices of a buffer;
     the traced graph computes it whole (its compiler blocks the loops, and writes into
@@ -74,14 +87,8 @@ def test_the_traced_attention_is_one_block_where_eager_runs_it_in_chunks(traced,
 
     monkeypatch.setattr(attention, "_CHUNK_BYTES", 1)  # one head per chunk when eager
     monkeypatch.setattr(attention, "_weights_fit_one_chunk", lambda q, k: True)  # written out, not the op
-    model, x = _model("vit", torch.float64)
-    explainer = Explainer(model, backend="compiled")
-    expected = Explainer(model, backend="reference")(x, 1)
-    for _ in range(2):
-        _assert_equal_explanations(explainer(x, 1), expected, torch.float64)
-    program, _ = explainer.program(x)
-    (explanation,) = program.compiled.values()
-    targets = [str(node.target) for node in explanation.graph.graph.nodes if node.op == "call_function"]
+    model, graph = _compiled_vit_graph()
+    targets = [str(node.target) for node in graph.nodes if node.op == "call_function"]
     layers = sum(isinstance(m, torch.nn.MultiheadAttention) or type(m).__name__ == "Attention"
                  for m in model.modules())
     assert layers and sum("softmax" in t for t in targets) == layers
@@ -98,17 +105,11 @@ def test_attention_weights_larger_than_one_chunk_are_never_written_in_the_graph(
 
     if not weights_fit_one_chunk:
         monkeypatch.setattr(attention, "_CHUNK_BYTES", 0)
-    model, x = _model("vit", torch.float64)
-    explainer = Explainer(model, backend="compiled")
-    expected = Explainer(model, backend="reference")(x, 1)
-    for _ in range(2):
-        _assert_equal_explanations(explainer(x, 1), expected, torch.float64)
-    program, _ = explainer.program(x)
-    (explanation,) = program.compiled.values()
+    model, graph = _compiled_vit_graph()
     tokens = model.patch_embed.num_patches + model.num_prefix_tokens
-    square = [node for node in explanation.graph.graph.nodes
+    square = [node for node in graph.nodes
               if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].shape[-2:] == (tokens, tokens)]
-    calls = [node for node in explanation.graph.graph.nodes if node.target == torch.ops.omenn.attention.default]
+    calls = [node for node in graph.nodes if node.target == torch.ops.omenn.attention.default]
     layers = len(model.blocks)
     if weights_fit_one_chunk:
         assert len(square) >= layers and not calls
