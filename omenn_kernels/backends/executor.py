@@ -94,7 +94,7 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     # The rules a forward runs, so the biases it meets, differ with the parameter gradient.
     ones_key = (tuple(ones.shape), parameter_gradient)
     with ones_checks(program.ones_decided.get(ones_key)) as checks:
-        for step in program.steps:
+        for step, released in zip(program.steps, program.released_after):
             node = step.node
             args = _lookup_env(env, node.args)
             kwargs = _lookup_env(env, node.kwargs)
@@ -111,6 +111,9 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
                     raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
                 if track_held and not _has_held(env[node.name]):
                     _attach_held(env[node.name], node.target(*plain(args), **plain(kwargs)))
+            del args, kwargs
+            for name in released:
+                del env[name]
     if checks.shape_decided:
         program.ones_decided[ones_key] = tuple(checks.fills)
     output = env[captured.output_name]

@@ -13,6 +13,7 @@ Every LIVE node must have a rule; a missing one is reported before anything runs
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -68,6 +69,22 @@ class LinearizedProgram:
             rule = step.rule.name if step.rule is not None else "-"
             lines.append(f"{step.node.name:<28} {operation:<34} {step.kind.value:<5} {rule:<32} {step.module_path}")
         return "\n".join(lines)
+
+    @functools.cached_property
+    def released_after(self) -> tuple[tuple[str, ...], ...]:
+        """Per step, the values that no later step reads (the output excepted): a forward drops
+        them there, so that it holds what is still to be read and what autograd saved, not
+        every intermediate value until its end."""
+        last_read: dict[str, int] = {}
+        for index, step in enumerate(self.steps):
+            last_read[step.node.name] = index  # a value that no step reads goes where it is made
+            for node in step.node.all_input_nodes:
+                last_read[node.name] = index
+        last_read.pop(self.captured.output_name, None)
+        released: list[list[str]] = [[] for _ in self.steps]
+        for name, index in last_read.items():
+            released[index].append(name)
+        return tuple(tuple(names) for names in released)
 
     @property
     def multipliers_follow_held(self) -> bool:

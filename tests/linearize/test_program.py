@@ -7,13 +7,15 @@ Models are captured with ``omenn_kernels.capture.capture`` and classified by
 from __future__ import annotations
 
 import math
+import weakref
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from omenn_kernels import UnsupportedOpError, explain
+from omenn_kernels import Explainer, UnsupportedOpError, explain
+from omenn_kernels.backends import executor
 from omenn_kernels.capture import capture
 from omenn_kernels.linearize import Kind, linearize
 from omenn_kernels.linearize.registry import op_name
@@ -230,3 +232,36 @@ def test_a_program_prints_as_a_table_of_its_nodes():
     assert table["conv2d"][1:4] == ["aten.conv2d.default", "live", "R2"] and table["conv2d"][-1] == "0"
     assert table["relu"][-1] == "1" and table["linear"][-1] == "3"
     assert table["sym_size_int_1"][1:4] == ["aten.sym_size.int", "const", "-"]  # the symbolic batch size
+
+
+@pytest.mark.parametrize("released", [True, False], ids=["released", "kept"])
+def test_a_forward_holds_a_value_only_until_its_last_read(released, monkeypatch):
+    """The executor drops each value after the last step that reads it: at the end of a deep
+    network's forward only what autograd saved is still alive (the linear outputs, which the
+    activations keep), not every activation output. The check is shown to see the difference."""
+    depth = 12
+    model = nn.Sequential(*[layer for _ in range(depth) for layer in (nn.Linear(16, 16), nn.GELU())]).eval()
+    x = torch.randn(4, 16)
+    program, _ = Explainer(model, backend="fused").program(x)
+    if not released:
+        monkeypatch.setattr(type(program), "released_after", property(lambda p: tuple(() for _ in p.steps)))
+    results: list[weakref.ref] = []
+    alive_at_the_last_step: list[int] = []
+    last = sum(step.kind is Kind.LIVE for step in program.steps) - 1
+
+    def implementation(rule):
+        def run(*args, **kwargs):
+            if len(results) == last:
+                alive_at_the_last_step.append(sum(ref() is not None for ref in results))
+            result = (rule.fused or rule.reference)(*args, **kwargs)
+            results.append(weakref.ref(result.value))
+            return result
+        return run
+
+    inputs = x.clone().requires_grad_(True)
+    output = executor.forward(program, model, inputs, x.new_ones(4, 1).requires_grad_(True), implementation)
+    assert output.value.shape == (4, 16) and len(results) == 2 * depth
+    if released:
+        assert alive_at_the_last_step == [depth]  # the saved linear outputs: activation outputs dropped
+    else:
+        assert alive_at_the_last_step == [2 * depth - 1]
