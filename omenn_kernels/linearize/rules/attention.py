@@ -30,7 +30,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ...ops import kernels_available
-from ...ops.attention import attention
+from ...ops.attention import CHUNK_BYTES, attention
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Gate, Live, ones_from_values, plain, renormalized
 
@@ -88,7 +88,7 @@ def attended(weights: torch.Tensor, values: Live, queries_are_tokens: bool = Tru
     return Live(value, ones, held)
 
 
-_CHUNK_BYTES = 1 << 20  # on the CPU, T×T blocks of about this size stay in cache
+_CHUNK_BYTES = CHUNK_BYTES  # on the CPU, T×T blocks of about this size stay in cache (the op's too)
 
 
 def _head_chunks(heads: int, tq: int, tk: int, like: torch.Tensor) -> list[slice]:
