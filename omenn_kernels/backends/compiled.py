@@ -1,6 +1,6 @@
 """The compiled backend: each explanation traced once per signature into one aten graph, then compiled.
 
-The first call for a signature (the input's shape, dtype and device, and the kind and
+The first call for a signature (the input's shape, layout, dtype and device, and the kind and
 shape of the target) runs the fused backend eagerly, which also settles the
 ones checks for the input's shape (:class:`~omenn_kernels.linearize.values.OnesChecks`),
 so that nothing is read back to the host afterwards. It then traces the whole
@@ -59,6 +59,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..capture import CAPTURE_LOCK, bound_tensors
 from ..folding import scale_gradients_not_kernels
 from ..linearize.program import LinearizedProgram
+from ..linearize.registry import arguments
+from ..ops.conv_bias import pair
 from ..ops import traced_as_aten
 from ..readout import ReadoutFunction
 from ..testing import relative_distance
@@ -67,6 +69,8 @@ from .executor import ParameterGradient
 from .shape_only import fold_shape_only
 
 log = logging.getLogger("omenn_kernels.compiled")
+
+_CONVOLUTIONS_2D = (torch.ops.aten.conv2d.default, torch.ops.aten.conv2d.padding)
 
 Compiler = Callable[[torch.fx.GraphModule, list[torch.Tensor]], Callable]
 
@@ -108,22 +112,57 @@ COMPILER: Compiler = inductor
 MAX_COMPILED = 8
 
 
+def _channels_last(x: torch.Tensor) -> bool:
+    """Whether an image batch comes in channels-last memory (and not also contiguous, as with one channel)."""
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _has_windowed_convolutions(program: LinearizedProgram) -> bool:
+    """Whether the captured model has a 2-D convolution whose windows overlap or have gaps
+    (a CNN's), not only one that cuts the image into patches (a ViT's patch embedding)."""
+    for step in program.steps:
+        if step.node.op == "call_function" and step.node.target in _CONVOLUTIONS_2D:
+            _, weight, _, stride, padding, dilation, _ = arguments(step.node.target, step.node.args, step.node.kwargs)
+            unpadded = padding == "valid" if isinstance(padding, str) else pair(padding) == [0, 0]
+            patches = list(weight.meta["val"].shape[2:]) == pair(stride) and unpadded and pair(dilation) == [1, 1]
+            if not patches:
+                return True
+    return False
+
+
+def _laid_out(program: LinearizedProgram, x: torch.Tensor, target) -> tuple[torch.Tensor, object]:
+    """The input and the target in the layouts a graph is compiled for (a compiled graph assumes
+    its inputs' strides): the images channels-last where they come so, and on the CPU where the
+    model is a CNN whose input has its channels at dim 1 (ATen's CPU convolutions are faster in
+    that layout, and their outputs keep it), else contiguous; the target's tensors contiguous."""
+    if program.channels_last is None:
+        program.channels_last = program.feature_dim == 1 and _has_windowed_convolutions(program)
+    if x.device.type == "cpu" and x.dim() == 4 and program.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    x = x if _channels_last(x) else x.contiguous()
+    if isinstance(target, ReadoutFunction):
+        return x, ReadoutFunction(target.function, tuple(a.contiguous() for a in target.arguments))
+    return x, target.contiguous() if isinstance(target, torch.Tensor) else target
+
+
 def _signature(x: torch.Tensor, target, parameter_gradient: ParameterGradient | None,
                trained: dict[str, torch.Tensor]) -> tuple:
     """What a compiled explanation is specialized on: the input's shape (a program may serve
-    several batch sizes), the target's kind and shape (a read-out function: the function object
-    and its arguments' shapes), autocast (the trace records its casts), and for a
-    differentiable explanation the parameter gradient's kind and the parameters it takes."""
+    several batch sizes) and layout (see :func:`_laid_out`), the target's kind and shape (a
+    read-out function: the function object and its arguments' shapes), autocast (the trace
+    records its casts), and for a differentiable explanation the parameter gradient's kind and
+    the parameters it takes."""
     device = x.device.type
     autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
     differentiation = (parameter_gradient, tuple(trained)) if parameter_gradient is not None else None
+    images = (tuple(x.shape), _channels_last(x))
     if target is None:
-        return ("predicted", tuple(x.shape), autocast, differentiation)
+        return ("predicted", images, autocast, differentiation)
     if isinstance(target, ReadoutFunction):
-        return ("function", tuple(x.shape), target.function,
+        return ("function", images, target.function,
                 tuple((tuple(a.shape), a.dtype, a.device) for a in target.arguments), autocast, differentiation)
     kind = "indices" if not target.is_floating_point() else "weights"
-    return (kind, tuple(x.shape), tuple(target.shape), target.dtype, target.device, autocast, differentiation)
+    return (kind, images, tuple(target.shape), target.dtype, target.device, autocast, differentiation)
 
 
 def _trained(program: LinearizedProgram, model: torch.nn.Module,
@@ -163,6 +202,7 @@ def replays(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     """Whether :func:`explain_batch` of these arguments only runs a graph compiled earlier."""
     if not _compilable(target):
         return False
+    x, target = _laid_out(program, x, target)
     compiled = program.compiled.get(_signature(x, target, parameter_gradient,
                                                _trained(program, model, parameter_gradient)))
     return compiled is not None and compiled is not _FAILED
@@ -173,6 +213,8 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     """``(C_w, C_b, ŷ, target, logits)`` from the compiled graph of this signature (see the module docstring)."""
     if not _compilable(target):
         return fused.explain_batch(program, model, x, target, parameter_gradient)
+    given = x
+    x, target = _laid_out(program, x, target)
     trained = _trained(program, model, parameter_gradient)
     key = _signature(x, target, parameter_gradient, trained)
     compiled = program.compiled.pop(key, None)
@@ -181,16 +223,17 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
         with CAPTURE_LOCK:  # make_fx, like torch.export, holds process-wide dispatch modes while it traces
             compiled, outputs = _compiled(program, model, x, target, parameter_gradient, trained, expected)
             _keep(program, key, compiled)
-        return expected if compiled is _FAILED else _owned(outputs, x, parameter_gradient)
+        outputs = expected if compiled is _FAILED else _owned(outputs, x, parameter_gradient)
+        return _in_layout_of(given, x, outputs)
     _keep(program, key, compiled)
     if compiled is _FAILED:
-        return fused.explain_batch(program, model, x, target, parameter_gradient)
+        return _in_layout_of(given, x, fused.explain_batch(program, model, x, target, parameter_gradient))
     # The graph calls the fused rules' custom ops: not while another thread exports (CAPTURE_LOCK).
     # A first-order graph holds the backward already and its parameters need none; a
     # differentiable one records its compiled backward for the caller's loss.
     with torch.set_grad_enabled(parameter_gradient is not None), CAPTURE_LOCK:
         outputs = compiled.run(*_graph_inputs(x, target, trained))
-    return _owned(outputs, x, parameter_gradient)
+    return _in_layout_of(given, x, _owned(outputs, x, parameter_gradient))
 
 
 def _owned(outputs, x: torch.Tensor, parameter_gradient: ParameterGradient | None) -> tuple[torch.Tensor, ...]:
@@ -198,6 +241,14 @@ def _owned(outputs, x: torch.Tensor, parameter_gradient: ParameterGradient | Non
     outputs into the same buffers, so copies, which outlive the next run."""
     return tuple(output.clone() for output in outputs) if x.is_cuda and parameter_gradient is None \
         else tuple(outputs)
+
+
+def _in_layout_of(given: torch.Tensor, x: torch.Tensor, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``outputs`` with ``C_w`` contiguous where the images ``x`` ran channels-last and were ``given`` otherwise."""
+    if not _channels_last(x) or _channels_last(given):
+        return tuple(outputs)
+    weight, *rest = outputs
+    return (weight.contiguous(), *rest)
 
 
 def _keep(program: LinearizedProgram, key: tuple, compiled: CompiledExplanation | object) -> None:

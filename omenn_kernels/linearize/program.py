@@ -55,6 +55,8 @@ class LinearizedProgram:
     ones_decided: dict[tuple, tuple[bool, ...]] = field(default_factory=dict)
     # The compiled backend's explanations of this program per signature (backends.compiled.CompiledExplanation).
     compiled: dict[tuple, object] = field(default_factory=dict)
+    # Whether the compiled backend passes this program's images channels-last on the CPU; None until it decides.
+    channels_last: bool | None = None
     # The input's feature axis (a non-negative index): its ones channel is shared along it, and the
     # explanation sums over it. None: every element of the input is a position with ones of its own.
     feature_dim: int | None = 1

@@ -305,6 +305,49 @@ def test_compiled_explanations_are_kept_per_signature_and_bounded(traced, monkey
     assert [key[0] for key in program.compiled] == ["predicted", "weights"]
 
 
+@pytest.mark.parametrize("name, graph_layouts", [("cnn", [True]), ("vit", [False, True])])
+def test_images_and_targets_of_any_layout_reach_a_graph_in_the_layout_it_was_compiled_for(name, graph_layouts,
+                                                                                          monkeypatch):
+    """A compiled graph assumes its inputs' strides (Inductor's code asserts them; this
+    compiler too). On the CPU a CNN's images run channels-last, whatever their layout; other
+    models' channels-last images get a graph of their own, and images of other strides run
+    contiguous. Strided targets are passed on contiguous, and ``C_w`` comes back contiguous
+    for contiguous images."""
+    def with_strides_asserted(graph, example):
+        strides = [t.stride() for t in example]
+
+        def run(*inputs):
+            assert [t.stride() for t in inputs] == strides, "a graph ran on inputs of other strides"
+            return graph(*inputs)
+        return run
+
+    monkeypatch.setattr(compiled, "COMPILER", with_strides_asserted)
+    model, x = _model(name, torch.float64)
+    reference, explainer = Explainer(model, backend="reference"), Explainer(model, backend="compiled")
+    weights = torch.randn(reference(x).logits.shape[1], 2, dtype=torch.float64).t()  # (B, K), transposed
+    laid_out = [x, x.contiguous(memory_format=torch.channels_last), x.transpose(2, 3).contiguous().transpose(2, 3)]
+    for images in laid_out * 2:
+        for target in (weights, weights.contiguous()):
+            explanation = explainer(images, target)
+            _assert_equal_explanations(explanation, reference(images, target), torch.float64)
+            assert explanation.weight.is_contiguous() or images is laid_out[1]
+    program, _ = explainer.program(x)
+    assert sorted(key[1][1] for key in program.compiled) == graph_layouts  # channels-last or not
+
+
+def test_images_run_channels_last_only_where_their_channels_are_at_dim_one(traced):
+    """The CNN family with another declared feature axis keeps its images' layout."""
+    model, x = _model("cnn", torch.float64)
+    for feature_dim, channels_last in ((1, True), (-1, False)):
+        explainer = Explainer(model, backend="compiled", feature_dim=feature_dim)
+        expected = Explainer(model, backend="reference", feature_dim=feature_dim)(x, 1)
+        for _ in range(2):
+            _assert_equal_explanations(explainer(x, 1), expected, torch.float64)
+        program, _ = explainer.program(x)
+        assert program.channels_last is channels_last
+        assert [key[1][1] for key in program.compiled] == [channels_last]
+
+
 def test_inductor_compiles_the_explanation_and_follows_parameter_updates():
     """One real Inductor compilation (C++ on the CPU): equal to the reference, and an in-place
     parameter update (an optimizer step) is seen by the compiled explanation."""
