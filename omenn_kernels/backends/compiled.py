@@ -130,32 +130,36 @@ def _has_windowed_convolutions(program: LinearizedProgram) -> bool:
     return False
 
 
-def _laid_out(program: LinearizedProgram, x: torch.Tensor, target) -> tuple[torch.Tensor, object]:
-    """The input and the target in the layouts a graph is compiled for (a compiled graph assumes
-    its inputs' strides): the images channels-last where they come so, and on the CPU where the
-    model is a CNN whose input has its channels at dim 1 (ATen's CPU convolutions are faster in
-    that layout, and their outputs keep it), else contiguous; the target's tensors contiguous."""
+def _runs_channels_last(program: LinearizedProgram, x: torch.Tensor) -> bool:
+    """Whether the graph for the images ``x`` takes them channels-last: where they come so, and
+    on the CPU where the model is a CNN whose input has its channels at dim 1 (ATen's CPU
+    convolutions are faster in that layout, and their outputs keep it); else contiguous."""
     if program.channels_last is None:
         program.channels_last = program.feature_dim == 1 and _has_windowed_convolutions(program)
-    if x.device.type == "cpu" and x.dim() == 4 and program.channels_last:
-        x = x.contiguous(memory_format=torch.channels_last)
-    x = x if _channels_last(x) else x.contiguous()
+    return _channels_last(x) or (x.device.type == "cpu" and x.dim() == 4 and program.channels_last)
+
+
+def _laid_out(x: torch.Tensor, target, channels_last: bool) -> tuple[torch.Tensor, object]:
+    """The images and the target in the layouts their graph is compiled for (a compiled graph
+    assumes its inputs' strides): the images as :func:`_runs_channels_last` decided, the
+    target's tensors contiguous."""
+    x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if isinstance(target, ReadoutFunction):
         return x, ReadoutFunction(target.function, tuple(a.contiguous() for a in target.arguments))
     return x, target.contiguous() if isinstance(target, torch.Tensor) else target
 
 
-def _signature(x: torch.Tensor, target, parameter_gradient: ParameterGradient | None,
+def _signature(x: torch.Tensor, channels_last: bool, target, parameter_gradient: ParameterGradient | None,
                trained: dict[str, torch.Tensor]) -> tuple:
     """What a compiled explanation is specialized on: the input's shape (a program may serve
-    several batch sizes) and layout (see :func:`_laid_out`), the target's kind and shape (a
+    several batch sizes) and layout (see :func:`_runs_channels_last`), the target's kind and shape (a
     read-out function: the function object and its arguments' shapes), autocast (the trace
     records its casts), and for a differentiable explanation the parameter gradient's kind and
     the parameters it takes."""
     device = x.device.type
     autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
     differentiation = (parameter_gradient, tuple(trained)) if parameter_gradient is not None else None
-    images = (tuple(x.shape), _channels_last(x))
+    images = (tuple(x.shape), channels_last)
     if target is None:
         return ("predicted", images, autocast, differentiation)
     if isinstance(target, ReadoutFunction):
@@ -202,8 +206,7 @@ def replays(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     """Whether :func:`explain_batch` of these arguments only runs a graph compiled earlier."""
     if not _compilable(target):
         return False
-    x, target = _laid_out(program, x, target)
-    compiled = program.compiled.get(_signature(x, target, parameter_gradient,
+    compiled = program.compiled.get(_signature(x, _runs_channels_last(program, x), target, parameter_gradient,
                                                _trained(program, model, parameter_gradient)))
     return compiled is not None and compiled is not _FAILED
 
@@ -214,9 +217,10 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     if not _compilable(target):
         return fused.explain_batch(program, model, x, target, parameter_gradient)
     given = x
-    x, target = _laid_out(program, x, target)
+    channels_last = _runs_channels_last(program, x)
+    x, target = _laid_out(x, target, channels_last)
     trained = _trained(program, model, parameter_gradient)
-    key = _signature(x, target, parameter_gradient, trained)
+    key = _signature(x, channels_last, target, parameter_gradient, trained)
     compiled = program.compiled.pop(key, None)
     if compiled is None:  # the first call of this signature: eager, then traced, compiled and checked
         expected = fused.explain_batch(program, model, x, target, parameter_gradient)
@@ -224,16 +228,16 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
             compiled, outputs = _compiled(program, model, x, target, parameter_gradient, trained, expected)
             _keep(program, key, compiled)
         outputs = expected if compiled is _FAILED else _owned(outputs, x, parameter_gradient)
-        return _in_layout_of(given, x, outputs)
+        return _in_layout_of(given, channels_last, outputs)
     _keep(program, key, compiled)
     if compiled is _FAILED:
-        return _in_layout_of(given, x, fused.explain_batch(program, model, x, target, parameter_gradient))
+        return _in_layout_of(given, channels_last, fused.explain_batch(program, model, x, target, parameter_gradient))
     # The graph calls the fused rules' custom ops: not while another thread exports (CAPTURE_LOCK).
     # A first-order graph holds the backward already and its parameters need none; a
     # differentiable one records its compiled backward for the caller's loss.
     with torch.set_grad_enabled(parameter_gradient is not None), CAPTURE_LOCK:
         outputs = compiled.run(*_graph_inputs(x, target, trained))
-    return _in_layout_of(given, x, _owned(outputs, x, parameter_gradient))
+    return _in_layout_of(given, channels_last, _owned(outputs, x, parameter_gradient))
 
 
 def _owned(outputs, x: torch.Tensor, parameter_gradient: ParameterGradient | None) -> tuple[torch.Tensor, ...]:
@@ -243,9 +247,10 @@ def _owned(outputs, x: torch.Tensor, parameter_gradient: ParameterGradient | Non
         else tuple(outputs)
 
 
-def _in_layout_of(given: torch.Tensor, x: torch.Tensor, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """``outputs`` with ``C_w`` contiguous where the images ``x`` ran channels-last and were ``given`` otherwise."""
-    if not _channels_last(x) or _channels_last(given):
+def _in_layout_of(given: torch.Tensor, channels_last: bool,
+                  outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``outputs`` with ``C_w`` contiguous where the images ran channels-last and were ``given`` otherwise."""
+    if not channels_last or _channels_last(given):
         return tuple(outputs)
     weight, *rest = outputs
     return (weight.contiguous(), *rest)
@@ -321,7 +326,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     seconds = time.perf_counter() - start
     log.info("compiled the explanation of %s for input %s %s and target %s%s in %.1f s (%d aten nodes, "
              "%d shape-only values folded)", type(model).__name__, tuple(x.shape), x.dtype,
-             _signature(x, target, parameter_gradient, trained)[0],
+             _signature(x, _channels_last(x), target, parameter_gradient, trained)[0],
              f", differentiable ({parameter_gradient}, {len(trained)} parameter tensors)" if differentiable else "",
              seconds, sum(node.op == "call_function" for node in graph.graph.nodes), folded)
     return CompiledExplanation(graph, compiled, seconds), result
