@@ -1,4 +1,8 @@
-// Python bindings of the omenn_cpu kernels.
+// Python bindings of the omenn_cpu kernels, and their CPU kernels for the dispatcher.
+//
+// The ops' schemas are defined in Python (omenn_kernels/native.py, define_cpu_op), so that
+// tracing and fake tensors work before this extension is built; loading it registers the
+// CPU kernels below, which the dispatcher then calls without entering Python.
 //
 // torch/csrc/utils/pybind.h brings pybind11 with torch's type casters (at::Tensor,
 // std::optional) and compiles in about a third of the time of torch/extension.h, which
@@ -10,9 +14,52 @@
 #include <torch/extension.h>
 #endif
 
+#include <torch/library.h>
+
+#include <string_view>
+
 #include "omenn_cpu.h"
 
 namespace py = pybind11;
+
+namespace {
+
+at::Tensor activation_op(const at::Tensor& x, std::string_view kind, double slope) {
+  return omenn_cpu::activation_forward(x, std::string(kind), slope);
+}
+
+at::Tensor activation_backward_op(const at::Tensor& grad, const at::Tensor& x,
+                                  std::string_view kind, double slope) {
+  return omenn_cpu::activation_backward(grad, x, std::string(kind), slope);
+}
+
+void check_pair(const char* name, c10::IntArrayRef value) {
+  TORCH_CHECK(value.size() == 2, "conv2d_ones_backward_cpu: ", name,
+              " must have two entries (height, width), got ", value);
+}
+
+at::Tensor conv2d_ones_backward_op(const at::Tensor& grad, const at::Tensor& grad_ones,
+                                   const std::optional<at::Tensor>& bias,
+                                   const at::Tensor& window_sum, c10::IntArrayRef input_size,
+                                   c10::IntArrayRef kernel_size, c10::IntArrayRef stride,
+                                   c10::IntArrayRef padding, c10::IntArrayRef dilation) {
+  check_pair("input_size", input_size);
+  check_pair("kernel_size", kernel_size);
+  check_pair("stride", stride);
+  check_pair("padding", padding);
+  check_pair("dilation", dilation);
+  return omenn_cpu::conv_bias_ones_backward(
+      grad, bias, grad_ones, window_sum, input_size[0], input_size[1], kernel_size[0],
+      kernel_size[1], stride[0], stride[1], padding[0], padding[1], dilation[0], dilation[1]);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(omenn, CPU, m) {
+  m.impl("activation_cpu", &activation_op);
+  m.impl("activation_backward_cpu", &activation_backward_op);
+  m.impl("conv2d_ones_backward_cpu", &conv2d_ones_backward_op);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "omenn_kernels CPU kernels: R4 detached activations and R2 conv-bias ones backward";

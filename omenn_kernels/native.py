@@ -12,7 +12,10 @@ The first build in a fresh cache takes about 25–55 s on 2 cores; later process
 torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
 
 ``cpu_kernels()`` returns the module, built at most once per process; ``available()``
-says whether it can be built. The module's functions:
+says whether it can be built. ``define_cpu_op`` defines an op of the ``omenn`` namespace
+whose CPU kernel is in the extension: loading the extension registers the kernel with the
+dispatcher (``csrc/bindings.cpp``), so a call, from eager code or from a compiled graph,
+reaches C++ without a Python frame per call. The module's Python functions:
 
 - ``activation_forward(x, kind, slope=0.01)``: ``x·ξ(x)`` (R4)
 - ``activation_backward(grad, x, kind, slope=0.01)``: ``grad·ξ(x)``, ξ recomputed from x
@@ -31,6 +34,9 @@ import sys
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
+
+import torch
 
 NAME = "omenn_cpu"
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
@@ -149,3 +155,32 @@ def available() -> bool:
                       RuntimeWarning, stacklevel=2)
         return False
     return True
+
+
+_LIBRARY = torch.library.Library("omenn", "FRAGMENT")
+
+
+def define_cpu_op(schema: str, fake: Callable) -> torch._ops.OpOverload:
+    """The op ``omenn::<schema>``, whose CPU kernel ``csrc/bindings.cpp`` registers, with ``fake``
+    as its shape function.
+
+    Until the extension is loaded, a call reaches a Python kernel that builds and loads it
+    (which registers the C++ kernel) and calls the op again; later calls go to C++ directly.
+    The op has no autograd: it is called below the autograd of the op it serves.
+    """
+    name = schema.split("(", 1)[0]
+    _LIBRARY.define(schema)
+    op = getattr(torch.ops.omenn, name).default
+
+    def load_then_call(*args):
+        devices = sorted({a.device.type for a in args if isinstance(a, torch.Tensor)})
+        if devices != ["cpu"]:
+            raise RuntimeError(f"omenn::{name} runs on CPU tensors only, got tensors on {devices}")
+        cpu_kernels()
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"):
+            raise RuntimeError(f"the C++ extension {NAME} loaded without registering omenn::{name}")
+        return op(*args)
+
+    _LIBRARY.impl(name, load_then_call, "CompositeExplicitAutograd")
+    torch.library.register_fake(op.name(), fake, lib=_LIBRARY)
+    return op

@@ -60,7 +60,7 @@ from ..capture import CAPTURE_LOCK, bound_tensors
 from ..folding import scale_gradients_not_kernels
 from ..linearize.program import LinearizedProgram
 from ..linearize.registry import arguments
-from ..ops.conv_bias import pair
+from ..ops.conv_bias import cuts_patches
 from ..ops import traced_as_aten
 from ..readout import ReadoutFunction
 from ..testing import relative_distance
@@ -122,10 +122,9 @@ def _has_windowed_convolutions(program: LinearizedProgram) -> bool:
     (a CNN's), not only one that cuts the image into patches (a ViT's patch embedding)."""
     for step in program.steps:
         if step.node.op == "call_function" and step.node.target in _CONVOLUTIONS_2D:
-            _, weight, _, stride, padding, dilation, _ = arguments(step.node.target, step.node.args, step.node.kwargs)
-            unpadded = padding == "valid" if isinstance(padding, str) else pair(padding) == [0, 0]
-            patches = list(weight.meta["val"].shape[2:]) == pair(stride) and unpadded and pair(dilation) == [1, 1]
-            if not patches:
+            x, weight, _, stride, padding, dilation, groups = arguments(step.node.target, step.node.args,
+                                                                        step.node.kwargs)
+            if not cuts_patches(x.meta["val"], weight.meta["val"].shape, stride, padding, dilation, groups):
                 return True
     return False
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op
 
+from ..native import define_cpu_op
+
 aten = torch.ops.aten
 
 # The activations with a kernel, by the kernels' names for them (csrc/activation.cpp and
@@ -57,28 +59,11 @@ def reference_backward(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: fl
     return grad * _multiplier(x, kind, slope)
 
 
-@torch.library.custom_op("omenn::activation_cpu", mutates_args=())
-def _activation_cpu(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
-    from ..native import cpu_kernels
-
-    return cpu_kernels().activation_forward(x, kind, slope)
-
-
-@_activation_cpu.register_fake
-def _(x, kind, slope):
-    return torch.empty_like(x)
-
-
-@torch.library.custom_op("omenn::activation_backward_cpu", mutates_args=())
-def _activation_backward_cpu(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
-    from ..native import cpu_kernels
-
-    return cpu_kernels().activation_backward(grad, x, kind, slope)
-
-
-@_activation_backward_cpu.register_fake
-def _(grad, x, kind, slope):
-    return torch.empty_like(x)
+_activation_cpu = define_cpu_op("activation_cpu(Tensor x, str kind, float slope) -> Tensor",
+                                lambda x, kind, slope: torch.empty_like(x))
+_activation_backward_cpu = define_cpu_op(
+    "activation_backward_cpu(Tensor grad, Tensor x, str kind, float slope) -> Tensor",
+    lambda grad, x, kind, slope: torch.empty_like(x))
 
 
 @triton_op("omenn::activation", mutates_args=())

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op
 
+from ..native import define_cpu_op
+
 
 def pair(value, dims: int = 2) -> list[int]:
     """An int or a sequence as a list of ``dims`` ints (a convolution's stride, padding, ...)."""
@@ -118,21 +120,15 @@ def _conv2d_input_grad_grad(ctx, grad_input):
 conv2d_input_grad.register_autograd(_conv2d_input_grad_grad, setup_context=_conv2d_input_grad_setup)
 
 
-@torch.library.custom_op("omenn::conv2d_ones_backward_cpu", mutates_args=())
-def _conv2d_ones_backward_cpu(grad: torch.Tensor, grad_ones: torch.Tensor, bias: Optional[torch.Tensor],
-                              window_sum: torch.Tensor, input_size: list[int], kernel_size: list[int],
-                              stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:
-    from ..native import cpu_kernels
-
-    return cpu_kernels().conv_bias_ones_backward(grad, bias, grad_ones, window_sum, *input_size,
-                                                 *kernel_size, *stride, *padding, *dilation)
-
-
-@_conv2d_ones_backward_cpu.register_fake
-def _(grad, grad_ones, bias, window_sum, input_size, kernel_size, stride, padding, dilation):
+def _ones_gradient_fake(grad, grad_ones, bias, window_sum, input_size, kernel_size, stride, padding, dilation):
     # The kernel accumulates in float64 for float64 gradients and in float32 otherwise.
     dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
     return grad.new_empty(grad.shape[0], 1, *input_size, dtype=dtype)
+
+
+_conv2d_ones_backward_cpu = define_cpu_op(
+    "conv2d_ones_backward_cpu(Tensor grad, Tensor grad_ones, Tensor? bias, Tensor window_sum, int[] input_size, "
+    "int[] kernel_size, int[] stride, int[] padding, int[] dilation) -> Tensor", _ones_gradient_fake)
 
 
 @triton_op("omenn::conv2d_ones_backward", mutates_args=())

@@ -32,14 +32,13 @@ def indices(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list
                                   return_indices=True)[1].contiguous()
 
 
-@torch.library.custom_op("omenn::max_pool_indices", mutates_args=())
-def max_pool_indices(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int],
-                     dilation: list[int], ceil_mode: bool) -> torch.Tensor:
-    """The flat arg-max of each window over the spatial dims of ``x`` (N, C, *spatial), as
-    ``F.max_pool{1,2,3}d(..., return_indices=True)`` returns it (an empty ``stride``: the kernel's)."""
-    return indices(x, kernel, stride, padding, dilation, ceil_mode)
-
-
-@max_pool_indices.register_fake
-def _max_pool_indices_fake(x, kernel, stride, padding, dilation, ceil_mode):
-    return indices(x, kernel, stride, padding, dilation, ceil_mode)
+# Defined through torch.library's plain registration (no autograd layer, no checks per call):
+# the indices are integers, and at small sizes the call costs more than the pooling.
+_LIBRARY = torch.library.Library("omenn", "FRAGMENT")
+_LIBRARY.define("max_pool_indices(Tensor x, int[] kernel, int[] stride, int[] padding, int[] dilation, "
+                "bool ceil_mode) -> Tensor")
+_LIBRARY.impl("max_pool_indices", indices, "CompositeExplicitAutograd")
+torch.library.register_fake("omenn::max_pool_indices", indices, lib=_LIBRARY)
+# The flat arg-max of each window over the spatial dims of x (N, C, *spatial), as
+# F.max_pool{1,2,3}d(..., return_indices=True) returns it (an empty stride: the kernel's).
+max_pool_indices = torch.ops.omenn.max_pool_indices.default

@@ -9,11 +9,12 @@ in float64.
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
 
-from omenn_kernels import Explainer, explain
+from omenn_kernels import Explainer, explain, native
 from omenn_kernels.linearize.rules import activation as activation_rules
 from omenn_kernels.linearize.rules import conv as conv_rules
 from omenn_kernels.ops import activation, attention, batch_norm_ones, conv_bias, linear_ones, max_pool
@@ -115,6 +116,43 @@ def test_opcheck_activation(kind):
     x = torch.randn(2, 5, 7, requires_grad=True)
     _opcheck(torch.ops.omenn.activation.default, (x, kind, 0.1))
     _opcheck(torch.ops.omenn.activation_backward.default, (torch.randn(2, 5, 7), x.detach(), kind, 0.1))
+
+
+def _cpu_kernel_calls():
+    """A call of each op whose CPU kernel is in csrc/, with the pybind function that computes the same."""
+    x, grad = torch.randn(2, 5, 7), torch.randn(2, 5, 7)
+    conv_grad, grad_ones = torch.randn(2, 3, 4, 5), torch.randn(2, 1, 4, 5)
+    bias, window_sum = torch.randn(3), torch.randint(1, 10, (2, 1, 4, 5)).float()
+    ext = native.cpu_kernels()
+    return [(torch.ops.omenn.activation_cpu.default, (x, "gelu", 0.0), lambda: ext.activation_forward(x, "gelu")),
+            (torch.ops.omenn.activation_backward_cpu.default, (grad, x, "leaky_relu", 0.2),
+             lambda: ext.activation_backward(grad, x, "leaky_relu", 0.2)),
+            (torch.ops.omenn.conv2d_ones_backward_cpu.default,
+             (conv_grad, grad_ones, bias, window_sum, [7, 9], [3, 3], [2, 2], [1, 1], [1, 1]),
+             lambda: ext.conv_bias_ones_backward(conv_grad, bias, grad_ones, window_sum, 7, 9, 3, 3, 2, 2, 1, 1, 1, 1))]
+
+
+def test_cpu_ops_are_their_cpp_kernels():
+    """The ops give the C++ functions' results, pass opcheck, and reach the kernel from the
+    dispatcher: a call runs no Python of this package or of torch.library (whose custom ops
+    run a Python autograd kernel and a Python wrapper per call)."""
+    calls = _cpu_kernel_calls()
+    entered = []
+
+    def profiler(frame, event, _arg):
+        name = frame.f_code.co_filename
+        if event == "call" and ("omenn_kernels" in name or "torch/_library" in name):
+            entered.append(f"{name}:{frame.f_code.co_name}")
+
+    for op, args, pybind in calls:
+        _opcheck(op, args)
+        assert torch.equal(op(*args), pybind())
+        sys.setprofile(profiler)
+        try:
+            op(*args)
+        finally:
+            sys.setprofile(None)
+        assert entered == [], f"{op} ran Python per call: {entered}"
 
 
 @pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "silu", "relu", "leaky_relu", "hardswish"])
