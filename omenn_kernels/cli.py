@@ -3,18 +3,22 @@
 Exit codes: 0 done; 1 a defect, an error that is not about the input (traceback
 logged); 2 a usage or input error: a bad option, or any :class:`~omenn_kernels.errors.OmennError`
 (a one-line reason on stderr that names the value, file or folder); 3 done, but some
-images could not be read (recorded as failed in the store); 130 interrupted (finished
-batches are kept: run the same command again to resume).
+images could not be read (recorded as failed in the store); 130 interrupted by Ctrl-C or
+SIGTERM (finished batches are kept: run the same command again to resume).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
+from typing import Iterator
 
 from .cpu_memory import keep_freed_memory
 from .errors import OmennError
@@ -25,7 +29,8 @@ EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FAILED_IMAGES, EXIT_INTERRUPTED = 0, 1, 2,
 log = logging.getLogger("omenn_kernels.cli")
 
 _EPILOG = """exit codes: 0 done; 1 unexpected error (a defect: please report it); 2 usage or input error;
-3 done with unreadable images (recorded as failed); 130 interrupted (run again to resume)"""
+3 done with unreadable images (recorded as failed); 130 interrupted by Ctrl-C or SIGTERM (run again
+to resume)"""
 
 
 def _components(text: str) -> tuple[str, ...]:
@@ -155,6 +160,26 @@ def _show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``kill``, a batch scheduler stopping the job) ends the command as Ctrl-C does: the
+    batch in progress is dropped, the store's lock released, exit 130. Python runs signal
+    handlers in the main thread only; elsewhere (the command called from a thread) SIGTERM keeps
+    its handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``omenn`` command; returns its exit code."""
     args = _parser().parse_args(argv)
@@ -163,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         # The command owns the process: freed tensors stay mapped for the next batch.
         log.debug("glibc keeps freed memory: %s", keep_freed_memory())
     try:
-        if args.command == "demo":
-            from .demo import run_demo
+        with _terminate_as_interrupt():
+            if args.command == "demo":
+                from .demo import run_demo
 
-            return run_demo(args.out, model=args.model, images=args.images, backend=args.backend,
-                            progress=not args.quiet)
-        return _explain(args) if args.command == "explain" else _show(args)
+                return run_demo(args.out, model=args.model, images=args.images, backend=args.backend,
+                                progress=not args.quiet)
+            return _explain(args) if args.command == "explain" else _show(args)
     except KeyboardInterrupt:
         log.error("interrupted; finished batches are in the store: run the same command again to resume")
         return EXIT_INTERRUPTED

@@ -25,7 +25,7 @@ import zarr
 from omenn_kernels.bulk import AttributionStore, RunConfig, StoreLock, explain_folder
 from omenn_kernels.bulk.lock import lock_path
 from omenn_kernels.bulk.run import _BatchExplainer
-from omenn_kernels.cli import EXIT_USAGE, main
+from omenn_kernels.cli import EXIT_INTERRUPTED, EXIT_USAGE, main
 from omenn_kernels.demo import draw_images
 from omenn_kernels.errors import OptionError, StoreError, StoreLockedError, TargetError
 
@@ -245,6 +245,27 @@ def test_two_processes_on_one_store(images, reference, tmp_path, capsys):
         first.kill()
         first.wait()
     assert not lock_path(out).exists()
+    _assert_same_store(reference, out)
+
+
+def test_sigterm_ends_a_run_as_an_interrupt_and_it_resumes(images, reference, tmp_path):
+    """SIGTERM (a scheduler stopping the job) after the first batch is written: exit 130, the lock
+    released, the later batches pending, and the same command resumes to the uninterrupted result."""
+    out = tmp_path / "s.zarr"
+    process = _launch_slowed(images, out, write=0.5)
+    try:
+        _await_creation(process)
+        while not out.exists() or AttributionStore.open(out).summary()["explained"] == 0:
+            assert process.poll() is None, "the run ended before it could be stopped"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == EXIT_INTERRUPTED
+    finally:
+        process.kill()
+        process.wait()
+    assert not lock_path(out).exists()
+    assert 0 < AttributionStore.open(out).summary()["pending"] < 6
+    assert main(_command(images, out)) == 0
     _assert_same_store(reference, out)
 
 
