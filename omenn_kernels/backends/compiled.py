@@ -60,6 +60,7 @@ from ..capture import CAPTURE_LOCK, bound_tensors
 from ..folding import scale_gradients_not_kernels
 from ..linearize.program import LinearizedProgram
 from ..linearize.registry import arguments
+from ..linearize.values import channels_last as _channels_last
 from ..ops.conv_bias import cuts_patches
 from ..ops import traced_as_aten
 from ..readout import ReadoutFunction
@@ -110,11 +111,6 @@ class CompiledExplanation:
 COMPILER: Compiler = inductor
 # Compiled explanations kept per program (per input signature), the least recently used dropped first.
 MAX_COMPILED = 8
-
-
-def _channels_last(x: torch.Tensor) -> bool:
-    """Whether an image batch comes in channels-last memory (and not also contiguous, as with one channel)."""
-    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
 def _has_windowed_convolutions(program: LinearizedProgram) -> bool:

@@ -52,6 +52,11 @@ def full_ones(live: Live) -> torch.Tensor:
     return live.ones.expand(live.value.shape)
 
 
+def channels_last(t: torch.Tensor) -> bool:
+    """Whether a batch of images ``t`` is in channels-last memory (and not also contiguous, as with one channel)."""
+    return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
 def plain(obj: Any) -> Any:
     """The numeric value of ``obj`` with Live/Gate unwrapped (recursively in lists/tuples).
 

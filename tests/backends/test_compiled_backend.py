@@ -348,6 +348,24 @@ def test_images_run_channels_last_only_where_their_channels_are_at_dim_one(trace
         assert [key[1][1] for key in program.compiled] == [channels_last]
 
 
+@pytest.mark.parametrize("name", ["cnn", "resnet", "vgg"])
+def test_channels_last_images_stay_channels_last_through_max_pooling(name, traced):
+    """Max pooling reads the value at each window's arg-max with a gather, whose result is
+    contiguous; it is laid out channels-last again, as ATen's pooling keeps it, so that every
+    convolution of a CNN's compiled graph reads channels-last activations."""
+    model, x = _model(name, torch.float64)
+    explainer = Explainer(model, backend="compiled")
+    expected = Explainer(model, backend="reference")(x, 1)
+    for _ in range(2):
+        _assert_equal_explanations(explainer(x, 1), expected, torch.float64)
+    program, _ = explainer.program(x)
+    (explanation,) = program.compiled.values()
+    nodes = list(explanation.graph.graph.nodes)
+    assert any("max_pool_indices" in str(node.target) for node in nodes)
+    inputs = [node.args[0].meta["val"] for node in nodes if node.target is torch.ops.aten.convolution.default]
+    assert inputs and all(value.is_contiguous(memory_format=torch.channels_last) for value in inputs)
+
+
 def test_inductor_compiles_the_explanation_and_follows_parameter_updates():
     """One real Inductor compilation (C++ on the CPU): equal to the reference, and an in-place
     parameter update (an optimizer step) is seen by the compiled explanation."""

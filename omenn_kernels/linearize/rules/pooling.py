@@ -17,7 +17,7 @@ import torch
 from ...ops.conv_bias import pair
 from ...ops.max_pool import max_pool_indices
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Live, full_ones, ones_from_values, renormalized
+from ..values import Live, channels_last, full_ones, ones_from_values, renormalized
 
 aten = torch.ops.aten
 
@@ -79,7 +79,9 @@ def _max_pool(op, *args, **kwargs):
 
     The value is gathered rather than taken from the pooling itself: a pooling's backward
     reads its input, so a differentiated backward (``create_graph``) would send zeros into
-    the whole forward before it, and run every backward there again on them.
+    the whole forward before it, and run every backward there again on them. A gather's
+    result is contiguous; a channels-last input's is made channels-last again, as ATen's
+    pooling keeps it, so that the layers after the pooling run in the layout before it.
     """
     x, kernel, stride, padding, dilation, ceil_mode = arguments(op, args, kwargs)
     ones_from_values(x.ones)  # the arg-max decides which ones are read
@@ -94,6 +96,8 @@ def _max_pool(op, *args, **kwargs):
         ones = _SharedAtArgMax.apply(shared, flat).view(indices.shape)
     else:
         ones = full_ones(x).flatten(-spatial).gather(-1, flat).view(indices.shape)
+    if channels_last(x.value):
+        value, ones = (t.contiguous(memory_format=torch.channels_last) for t in (value, ones))
     if op in (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default):
         return Live(value, ones), indices
     return Live(value, ones)
