@@ -3,6 +3,7 @@
 // R4  activation_forward / activation_backward: y = x·ξ(x), dx = dy·ξ(x), ξ recomputed.
 // R2  bias_share / spread_bias_share / conv_bias_ones_backward: the backward of a 2-D
 //     convolution's bias spread with a per-position ones channel.
+// R1  linear_ones: a linear layer's value with its bias carried by the mean of the ones.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,6 +11,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 
 namespace omenn_cpu {
 
@@ -50,5 +52,10 @@ at::Tensor conv_bias_ones_backward(const at::Tensor& grad, const std::optional<a
                                    const at::Tensor& S, int64_t H, int64_t W, int64_t kh,
                                    int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
                                    int64_t dh, int64_t dw);
+
+// (x·Wᵀ + b·Ō, Ō) with Ō = mean of ones over its last dim, keepdim; without a bias x·Wᵀ.
+std::tuple<at::Tensor, at::Tensor> linear_ones(const at::Tensor& x, const at::Tensor& ones,
+                                               const at::Tensor& weight,
+                                               const std::optional<at::Tensor>& bias);
 
 }  // namespace omenn_cpu

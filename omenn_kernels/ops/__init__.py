@@ -10,7 +10,8 @@ module                  op (``torch.ops.omenn``)     CPU                        
 ``conv_bias``           ``conv2d_ones`` (R2)         ``csrc/conv_bias.cpp``           ``triton_kernels/conv_bias.py``
 ``attention``           ``attention`` (R6)           ATen's flash attention; ``dV``   ``triton_kernels/attention.py``
                                                      over chunks of heads
-``linear_ones``         ``linear_ones`` (R1)         aten products                    aten products
+``linear_ones``         ``linear_ones`` (R1)         ``csrc/linear_ones.cpp``         aten products
+                                                     (aten products)
 ``batch_norm_ones``     ``batch_norm_ones`` (R3)     aten products                    aten products
 ``max_pool``            ``max_pool_indices`` (R13')  ATen's max pooling               ATen's max pooling
 ======================  ===========================  ===============================  ==============================
@@ -66,13 +67,16 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
     convolution is called by the compiled graph itself, not through a custom op's Python
     call); attention (ATen's flash attention, never the T×T weights), BatchNorm and the
     linear layers' forward stay opaque calls (traced, BatchNorm made a batch of ResNet-50
-    slower, and the linear forward made Inductor's code generation several times slower).
+    slower, and the linear forward made Inductor's code generation several times slower);
+    without a parameter gradient the linear forward is traced as its C++ op
+    (``linear_ones_cpu``), which the compiled graph calls without the custom op's Python.
 
     A ``differentiable`` explanation (``create_graph``, differentiated again by AOTAutograd)
     keeps the convolutions' input gradient an op of its own, whose registered backward takes
     the weight's part as a weight gradient; differentiated as aten, it is a convolution over
     the batch, as in autograd's double backward of a convolution.
     """
+    from ..native import available as native_available
     from . import activation, batch_norm_ones, conv_bias, linear_ones
 
     omenn = torch.ops.omenn
@@ -82,6 +86,8 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
              omenn.conv2d_ones.default: conv_bias.value_and_ones}
     if not differentiable:
         table[omenn.conv2d_input_grad.default] = conv_bias.input_grad
+        if device.type == "cpu" and native_available():
+            table[omenn.linear_ones.default] = linear_ones.value_and_ones_cpu
     if device.type == "cuda":
         table.update({omenn.linear_ones.default: linear_ones.value_and_ones,
                       omenn.batch_norm_ones.default: batch_norm_ones.value,
@@ -96,4 +102,5 @@ def shape_only_outputs() -> dict:
     compiled explanation folds them into constants where those are shape-only
     (:mod:`omenn_kernels.backends.shape_only`)."""
     omenn = torch.ops.omenn
-    return {omenn.conv2d_ones.default: {1: (1, 2)}, omenn.linear_ones.default: {1: (1,)}}
+    return {omenn.conv2d_ones.default: {1: (1, 2)}, omenn.linear_ones.default: {1: (1,)},
+            omenn.linear_ones_cpu.default: {1: (1,)}}

@@ -9,7 +9,9 @@ shrinks to the value third, one of the three products a gradient computes there.
 features, so explanations differentiable with respect to the parameters run it too. Without
 a bias the backward does no ones work beyond passing on the ones' own gradient.
 
-Kernels: aten's matrix products on every device. Reference: the rule's ``_linear``
+Kernels: aten's matrix products on every device; on the CPU the forward's calls are made
+from C++ (``omenn::linear_ones_cpu``, ``csrc/linear_ones.cpp``), which a compiled
+explanation calls without the Python of this op. Reference: the rule's ``_linear``
 (:mod:`omenn_kernels.linearize.rules.linear`), ``F.linear`` with autograd.
 """
 
@@ -20,6 +22,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..native import available, define_cpu_op
+
 
 def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,6 +33,22 @@ def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bi
     return (value if bias is None else value + bias * ones_bar), ones_bar
 
 
+def _value_and_ones_like(x, ones, weight, bias, *_receiving):
+    """The outputs' shapes (the fake of both ops)."""
+    return x.new_empty(*x.shape[:-1], weight.shape[0]), ones.new_empty(*ones.shape[:-1], 1)
+
+
+# :func:`value_and_ones` from C++, without autograd (the gradient is linear_ones').
+linear_ones_cpu = define_cpu_op("linear_ones_cpu(Tensor x, Tensor ones, Tensor weight, Tensor? bias) "
+                                "-> (Tensor, Tensor)", _value_and_ones_like)
+
+
+def value_and_ones_cpu(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`linear_ones` as the C++ op (its trace in a compiled explanation on the CPU)."""
+    return linear_ones_cpu(x, ones, weight, bias)
+
+
 @torch.library.custom_op("omenn::linear_ones", mutates_args=())
 def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,13 +56,12 @@ def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias:
 
     Only output features ``start:stop`` receive a gradient (the others feed only gates).
     """
+    if x.device.type == "cpu" and available():
+        return linear_ones_cpu(x, ones, weight, bias)
     return value_and_ones(x, ones, weight, bias, start, stop)
 
 
-@linear_ones.register_fake
-def _linear_ones_fake(x, ones, weight, bias, start, stop):
-    value = x.new_empty(*x.shape[:-1], weight.shape[0])
-    return value, ones.new_empty(*ones.shape[:-1], 1)
+linear_ones.register_fake(_value_and_ones_like)
 
 
 def _linear_ones_setup(ctx, inputs, output) -> None:

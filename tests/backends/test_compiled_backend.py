@@ -266,7 +266,8 @@ def test_in_half_precision_the_compiled_graph_is_held_to_its_logits_and_complete
 def test_the_ops_traced_as_aten_math_equal_the_reference(name, device, traced, monkeypatch):
     """The decomposition table of a trace on each device (:func:`~omenn_kernels.ops.traced_as_aten`),
     run on the CPU: float64, equal to the reference; the graph calls no fused op but those the
-    table keeps (on CUDA: attention, the convolution's ones backward and max pooling's arg-max)."""
+    table keeps (on CUDA: attention, the convolution's ones backward and max pooling's arg-max;
+    on the CPU the linear layers' forward is the C++ op ``linear_ones_cpu``)."""
     from omenn_kernels import ops
 
     table = ops.traced_as_aten(torch.device(device))
@@ -288,6 +289,8 @@ def test_the_ops_traced_as_aten_math_equal_the_reference(name, device, traced, m
         kept = {"omenn.attention.default", "omenn.attention_backward_dv.default",
                 "omenn.conv2d_ones_backward.default", "omenn.max_pool_indices.default"}
         assert {str(op) for op in called if str(op).startswith("omenn.")} <= kept
+    else:  # the linear layers' forward: the C++ op, without the custom op's Python
+        assert torch.ops.omenn.linear_ones_cpu.default in called
     assert any(str(op).startswith(("aten.convolution", "aten.mm", "aten.bmm")) for op in called)
 
 

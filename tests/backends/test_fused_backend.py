@@ -119,12 +119,18 @@ def test_opcheck_activation(kind):
 
 
 def _cpu_kernel_calls():
-    """A call of each op whose CPU kernel is in csrc/, with the pybind function that computes the same."""
+    """A call of each op whose CPU kernel is in csrc/, with the pybind function (or, for
+    linear_ones_cpu, the aten math) that computes the same."""
     x, grad = torch.randn(2, 5, 7), torch.randn(2, 5, 7)
     conv_grad, grad_ones = torch.randn(2, 3, 4, 5), torch.randn(2, 1, 4, 5)
     bias, window_sum = torch.randn(3), torch.randint(1, 10, (2, 1, 4, 5)).float()
+    ones, weight, linear_bias = torch.rand(2, 5, 1), torch.randn(4, 7), torch.randn(4)
     ext = native.cpu_kernels()
-    return [(torch.ops.omenn.activation_cpu.default, (x, "gelu", 0.0), lambda: ext.activation_forward(x, "gelu")),
+    return [(torch.ops.omenn.linear_ones_cpu.default, (x, ones, weight, linear_bias),
+             lambda: linear_ones.value_and_ones(x, ones, weight, linear_bias, 0, 4)),
+            (torch.ops.omenn.linear_ones_cpu.default, (x, ones, weight, None),
+             lambda: linear_ones.value_and_ones(x, ones, weight, None, 0, 4)),
+            (torch.ops.omenn.activation_cpu.default, (x, "gelu", 0.0), lambda: ext.activation_forward(x, "gelu")),
             (torch.ops.omenn.activation_backward_cpu.default, (grad, x, "leaky_relu", 0.2),
              lambda: ext.activation_backward(grad, x, "leaky_relu", 0.2)),
             (torch.ops.omenn.conv2d_ones_backward_cpu.default,
@@ -146,7 +152,11 @@ def test_cpu_ops_are_their_cpp_kernels():
 
     for op, args, pybind in calls:
         _opcheck(op, args)
-        assert torch.equal(op(*args), pybind())
+        got, want = op(*args), pybind()
+        if isinstance(want, tuple):
+            assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+        else:
+            assert torch.equal(got, want)
         sys.setprofile(profiler)
         try:
             op(*args)
