@@ -155,13 +155,21 @@ def _signature(x: torch.Tensor, channels_last: bool, target, parameter_gradient:
     autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
     differentiation = (parameter_gradient, tuple(trained)) if parameter_gradient is not None else None
     images = (tuple(x.shape), channels_last)
+    kind = _target_kind(target)
     if target is None:
-        return ("predicted", images, autocast, differentiation)
+        return (kind, images, autocast, differentiation)
     if isinstance(target, ReadoutFunction):
-        return ("function", images, target.function,
+        return (kind, images, target.function,
                 tuple((tuple(a.shape), a.dtype, a.device) for a in target.arguments), autocast, differentiation)
-    kind = "indices" if not target.is_floating_point() else "weights"
     return (kind, images, tuple(target.shape), target.dtype, target.device, autocast, differentiation)
+
+
+def _target_kind(target) -> str:
+    if target is None:
+        return "predicted"
+    if isinstance(target, ReadoutFunction):
+        return "function"
+    return "indices" if not target.is_floating_point() else "weights"
 
 
 def _trained(program: LinearizedProgram, model: torch.nn.Module,
@@ -321,7 +329,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     seconds = time.perf_counter() - start
     log.info("compiled the explanation of %s for input %s %s and target %s%s in %.1f s (%d aten nodes, "
              "%d shape-only values folded)", type(model).__name__, tuple(x.shape), x.dtype,
-             _signature(x, _channels_last(x), target, parameter_gradient, trained)[0],
+             _target_kind(target),
              f", differentiable ({parameter_gradient}, {len(trained)} parameter tensors)" if differentiable else "",
              seconds, sum(node.op == "call_function" for node in graph.graph.nodes), folded)
     return CompiledExplanation(graph, compiled, seconds), result

@@ -18,7 +18,8 @@ module                  op (``torch.ops.omenn``)     CPU                        
 
 Ops with a Triton kernel are ``torch.library.triton_op``: under ``torch.compile`` Inductor
 sees the Triton kernel itself (and CUDA graphs can capture it); on the CPU the same op
-calls an opaque op of its own (``activation_cpu``, ``conv2d_ones_backward_cpu``, ...) whose
+(and ``linear_ones``) calls an opaque op of its own (``activation_cpu``,
+``conv2d_ones_backward_cpu``, ``linear_ones_cpu``, ...) whose
 CPU kernel is the C++ function, registered with the dispatcher when the extension loads
 (:func:`omenn_kernels.native.define_cpu_op`), so that a call runs no Python. The rules
 (:mod:`omenn_kernels.linearize.rules`) decide where an op applies; this package only

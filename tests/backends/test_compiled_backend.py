@@ -10,6 +10,8 @@ float64, 1e-5 in float32.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 import warnings
 
 import pytest
@@ -195,6 +197,17 @@ def test_a_replayed_graph_runs_before_the_input_check_is_read_and_nan_is_still_r
         explainer(bad, 1)
     assert list(program.compiled.values()) == [explanation]  # kept, not marked failed
     _assert_equal_explanations(explainer(x, 1), first, torch.float32)
+
+
+def test_a_compilation_is_logged_with_its_time(traced, caplog):
+    """Compile time is reported at INFO, with the input and the kind of target it is for."""
+    model, x = _model("mlp", torch.float64)
+    with caplog.at_level(logging.INFO, logger="omenn_kernels.compiled"):
+        Explainer(model, backend="compiled")(x, torch.tensor([1, 0]))
+    (message,) = [r.getMessage() for r in caplog.records if r.name == "omenn_kernels.compiled"]
+    expected = re.escape(f"compiled the explanation of {type(model).__name__} for input {tuple(x.shape)} "
+                         "torch.float64 and target indices in ")
+    assert re.fullmatch(expected + r"\d+\.\d s \(\d+ aten nodes, \d+ shape-only values folded\)", message), message
 
 
 def test_a_failed_compilation_warns_once_and_falls_back(monkeypatch):
