@@ -68,10 +68,10 @@ def test_compiled_equals_reference_on_every_family(name, traced):
         _assert_equal_explanations(explainer(x, target), expected, torch.float64)
 
 
-def _compiled_vit_graph() -> tuple[torch.nn.Module, torch.fx.Graph]:
-    """The ViT family's model and the traced graph of its compiled explanation, whose
-    numbers (first call and replay) are checked against the reference's."""
-    model, x = _model("vit", torch.float64)
+def _compiled_graph(name: str = "vit") -> tuple[torch.nn.Module, torch.fx.Graph]:
+    """A family's model and the traced graph of its compiled explanation, whose numbers
+    (first call and replay) are checked against the reference's."""
+    model, x = _model(name, torch.float64)
     explainer = Explainer(model, backend="compiled")
     expected = Explainer(model, backend="reference")(x, 1)
     for _ in range(2):
@@ -89,7 +89,7 @@ def test_the_traced_attention_is_one_block_where_eager_runs_it_in_chunks(traced,
 
     monkeypatch.setattr(attention, "_CHUNK_BYTES", 1)  # one head per chunk when eager
     monkeypatch.setattr(attention, "_weights_fit_one_chunk", lambda q, k: True)  # written out, not the op
-    model, graph = _compiled_vit_graph()
+    model, graph = _compiled_graph()
     targets = [str(node.target) for node in graph.nodes if node.op == "call_function"]
     layers = sum(isinstance(m, torch.nn.MultiheadAttention) or type(m).__name__ == "Attention"
                  for m in model.modules())
@@ -107,7 +107,7 @@ def test_attention_weights_larger_than_one_chunk_are_never_written_in_the_graph(
 
     if not weights_fit_one_chunk:
         monkeypatch.setattr(attention, "_CHUNK_BYTES", 0)
-    model, graph = _compiled_vit_graph()
+    model, graph = _compiled_graph()
     tokens = model.patch_embed.num_patches + model.num_prefix_tokens
     square = [node for node in graph.nodes
               if isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].shape[-2:] == (tokens, tokens)]
@@ -369,14 +369,8 @@ def test_channels_last_images_stay_channels_last_through_max_pooling(name, trace
     """Max pooling reads the value at each window's arg-max with a gather, whose result is
     contiguous; it is laid out channels-last again, as ATen's pooling keeps it, so that every
     convolution of a CNN's compiled graph reads channels-last activations."""
-    model, x = _model(name, torch.float64)
-    explainer = Explainer(model, backend="compiled")
-    expected = Explainer(model, backend="reference")(x, 1)
-    for _ in range(2):
-        _assert_equal_explanations(explainer(x, 1), expected, torch.float64)
-    program, _ = explainer.program(x)
-    (explanation,) = program.compiled.values()
-    nodes = list(explanation.graph.graph.nodes)
+    _, graph = _compiled_graph(name)
+    nodes = list(graph.nodes)
     assert any("max_pool_indices" in str(node.target) for node in nodes)
     inputs = [node.args[0].meta["val"] for node in nodes if node.target is torch.ops.aten.convolution.default]
     assert inputs and all(value.is_contiguous(memory_format=torch.channels_last) for value in inputs)
