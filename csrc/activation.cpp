@@ -154,8 +154,11 @@ void backward_loop(const scalar_t* g, const scalar_t* x, scalar_t* out, int64_t 
 at::Tensor activation_forward(const at::Tensor& x, const std::string& kind, double slope) {
   constexpr const char* where = "activation_forward";
   check_cpu_floating(where, "x", x);
-  const at::Tensor xc = x.contiguous();
-  at::Tensor y = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  // In x's layout (channels-last stays channels-last, as with ATen's elementwise ops): the
+  // loop runs over memory, the same for every layout.
+  const auto layout = x.suggest_memory_format();
+  const at::Tensor xc = x.contiguous(layout);
+  at::Tensor y = at::empty_like(xc, layout);
   const int64_t n = xc.numel();
   with_kind(where, kind, [&](auto k) {
     using Kind = decltype(k);
@@ -177,9 +180,10 @@ at::Tensor activation_backward(const at::Tensor& grad, const at::Tensor& x,
   TORCH_CHECK_TYPE(grad.scalar_type() == x.scalar_type(), where,
                    ": grad and x must have the same dtype, got ", grad.scalar_type(), " and ",
                    x.scalar_type());
-  const at::Tensor gc = grad.contiguous();
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty_like(xc, at::MemoryFormat::Contiguous);
+  const auto layout = x.suggest_memory_format();
+  const at::Tensor gc = grad.contiguous(layout);
+  const at::Tensor xc = x.contiguous(layout);
+  at::Tensor out = at::empty_like(xc, layout);
   const int64_t n = xc.numel();
   with_kind(where, kind, [&](auto k) {
     using Kind = decltype(k);

@@ -27,10 +27,11 @@ inline void check_cpu_floating(const char* where, const char* name, const at::Te
                    st);
 }
 
-// y = x·ξ(x) elementwise, same dtype and shape as x (contiguous).
+// y = x·ξ(x) elementwise, same dtype, shape and memory format (contiguous or channels-last) as x.
 at::Tensor activation_forward(const at::Tensor& x, const std::string& kind, double slope);
 
-// grad·ξ(x) elementwise, ξ recomputed from x; grad and x have the same shape and dtype.
+// grad·ξ(x) elementwise, ξ recomputed from x; grad and x have the same shape and dtype; the
+// result has x's memory format.
 at::Tensor activation_backward(const at::Tensor& grad, const at::Tensor& x,
                                const std::string& kind, double slope);
 

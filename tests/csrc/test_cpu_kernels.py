@@ -139,6 +139,22 @@ def test_activation_non_contiguous_and_special_shapes(ext, dtype):
         assert torch.isnan(ext.activation_forward(nan, kind, 0.01)).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_activation_keeps_channels_last(ext, dtype):
+    """A channels-last input gives a channels-last result, as ATen's elementwise ops do, with
+    the values of the contiguous computation; the backward follows x's layout whatever grad's."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 24, 5, 7, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    grad = torch.randn(2, 24, 5, 7, generator=g).to(dtype)
+    for kind in KINDS:
+        y = ext.activation_forward(x, kind, 0.05)
+        dx = ext.activation_backward(grad, x, kind, 0.05)
+        assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+        assert dx.is_contiguous(memory_format=torch.channels_last) and not dx.is_contiguous()
+        torch.testing.assert_close(y, ext.activation_forward(x.contiguous(), kind, 0.05), rtol=0, atol=0)
+        torch.testing.assert_close(dx, ext.activation_backward(grad, x.contiguous(), kind, 0.05), rtol=0, atol=0)
+
+
 def test_activation_large_input_is_thread_independent(ext):
     x = torch.randn(1 << 18, generator=torch.Generator().manual_seed(4))
     threads = torch.get_num_threads()
