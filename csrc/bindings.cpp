@@ -60,6 +60,7 @@ TORCH_LIBRARY_IMPL(omenn, CPU, m) {
   m.impl("activation_backward_cpu", &activation_backward_op);
   m.impl("conv2d_ones_backward_cpu", &conv2d_ones_backward_op);
   m.impl("linear_ones_cpu", &omenn_cpu::linear_ones);
+  m.impl("max_pool_indices_cpu", &omenn_cpu::max_pool_indices);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

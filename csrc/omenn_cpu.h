@@ -4,6 +4,7 @@
 // R2  bias_share / spread_bias_share / conv_bias_ones_backward: the backward of a 2-D
 //     convolution's bias spread with a per-position ones channel.
 // R1  linear_ones: a linear layer's value with its bias carried by the mean of the ones.
+// R13' max_pool_indices: the arg-max of each window of a max pooling.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -58,5 +59,11 @@ at::Tensor conv_bias_ones_backward(const at::Tensor& grad, const std::optional<a
 std::tuple<at::Tensor, at::Tensor> linear_ones(const at::Tensor& x, const at::Tensor& ones,
                                                const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias);
+
+// The flat arg-max of each window of a max pooling over the spatial dims of x (N, C, *spatial),
+// channels-first and contiguous, as F.max_pool{1,2,3}d(..., return_indices=True) returns it
+// (an empty stride: the kernel's).
+at::Tensor max_pool_indices(const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
+                            at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode);
 
 }  // namespace omenn_cpu

@@ -9,11 +9,14 @@ folded bias; the input gradient ``convᵀ(dy·s, W)`` is ``convᵀ(dy, W·s)``. 
 convolution with its bias replaces a convolution, a BatchNorm and their ones work.
 
 ``W·s`` and ``b·s + t`` are computed in the graph from the parameters and running
-statistics at every call, as the rest of the graph reads them, so optimizer steps and
+statistics, as the rest of the graph reads them, so optimizer steps and
 ``load_state_dict`` are seen, and a parameter gradient flows to ``W``, ``b``, ``γ`` and ``β``
-as through the unfolded pair. In a traced explanation (the compiled backend),
-:func:`scale_gradients_not_kernels` then has each folded convolution's input gradient
-read ``W`` rather than ``W·s``, so that the folded kernels do not outlive the forward.
+as through the unfolded pair. A first-order compiled explanation keeps them as constants
+of its graph, computed again when a parameter changes
+(:mod:`~omenn_kernels.backends.parameter_only`). Where the graph computes them from
+trained parameters (a differentiable explanation), :func:`scale_gradients_not_kernels`
+has each folded convolution's input gradient read ``W`` rather than ``W·s``, so that the
+folded kernels do not outlive the forward.
 """
 
 from __future__ import annotations

@@ -89,10 +89,15 @@ def test_folded_explanation_equals_unfolded(name: str, backend) -> None:
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_compiled_input_gradients_take_the_unfolded_kernels(name: str, monkeypatch) -> None:
-    """In a traced explanation each folded convolution's input gradient is ``convᵀ(dy·s, W)``
-    (:func:`~omenn_kernels.folding.scale_gradients_not_kernels`): no folded kernel reaches a
-    convolution's backward, and the explanation still equals the unfolded reference's."""
+@pytest.mark.parametrize("parameter_gradient", [None, "total"])
+def test_compiled_input_gradients_take_one_copy_of_each_kernel(name: str, parameter_gradient, monkeypatch) -> None:
+    """In a traced explanation no folded kernel is computed twice, nor kept for the backward
+    beside its parameter. First-order: each folded kernel is a constant of the graph
+    (:mod:`~omenn_kernels.backends.parameter_only`), read by the forward convolution and its
+    input gradient. Differentiable: the folded kernels are computed from the trained
+    parameters in the graph, and each input gradient is ``convᵀ(dy·s, W)``
+    (:func:`~omenn_kernels.folding.scale_gradients_not_kernels`). Both equal the unfolded
+    reference's explanation."""
     monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)  # the traced graph, run as it is
     model = _model(MODELS[name])
     x = torch.randn(3, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
@@ -100,16 +105,23 @@ def test_compiled_input_gradients_take_the_unfolded_kernels(name: str, monkeypat
     target = torch.tensor([2, 0, 1])
     want = reference.explain_batch(unfolded, model, x, target)
     for _ in range(2):  # the eager first call, then the traced graph
-        got = compiled.explain_batch(folded, model, x, target)
-    assert compiled.replays(folded, model, x, target)
+        got = compiled.explain_batch(folded, model, x, target, parameter_gradient)
+    assert compiled.replays(folded, model, x, target, parameter_gradient)
     for part, name_ in ((0, "weight"), (1, "bias"), (2, "logit")):
-        assert relative_distance(got[part], want[part]) < TOLERANCE, name_
+        assert relative_distance(got[part].detach(), want[part]) < TOLERANCE, name_
     (explanation,) = folded.compiled.values()
     nodes = list(explanation.graph.graph.nodes)
+    convolutions = [n for n in nodes if n.target is aten.convolution.default]
     backward = [n for n in nodes if str(n.target) in folding._INPUT_GRADIENTS]
-    kernels = [n.args[2].target for n in backward]
-    assert aten.mul.Tensor not in kernels
-    assert kernels.count(aten.detach.default) == (3 if name == "pairs" else 20)  # the parameters themselves
+    kernels = [n.args[2] for n in backward]
+    folded_count = 3 if name == "pairs" else 20
+    assert aten.mul.Tensor not in [kernel.target for kernel in kernels]
+    if parameter_gradient is None:
+        hoisted = [k for k in kernels if k.op == "get_attr" and k.target.startswith("_parameter_derived_")]
+        assert len(hoisted) == folded_count
+        assert set(hoisted) <= {n.args[1] for n in convolutions}  # the forward's own constant
+    else:
+        assert sum(kernel.op == "placeholder" for kernel in kernels) == folded_count  # the trained parameters
 
 
 def test_shared_convolution_output_is_not_folded() -> None:

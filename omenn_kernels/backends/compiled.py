@@ -6,10 +6,13 @@ ones checks for the input's shape (:class:`~omenn_kernels.linearize.values.OnesC
 so that nothing is read back to the host afterwards. It then traces the whole
 explanation — the linearized forward, the read-out and the backward to the input and
 the ones, every read-out of ``explain_targets`` included — with ``make_fx`` into one aten
-graph, has each folded convolution's input gradient read the unfolded kernel
-(:func:`~omenn_kernels.folding.scale_gradients_not_kernels`), folds its shape-only part
-(the ones channel's forward) into constants (:mod:`~omenn_kernels.backends.shape_only`),
-and compiles that graph (Inductor; CUDA graphs on CUDA). Most fused ops are traced as
+graph, folds its shape-only part (the ones channel's forward) into constants
+(:mod:`~omenn_kernels.backends.shape_only`), takes its parameter-only part (BatchNorms
+folded into kernels) out into constants computed again whenever a parameter they come
+from changes (:mod:`~omenn_kernels.backends.parameter_only`), has each folded convolution
+whose kernel the graph still computes (from trained parameters) read the unfolded kernel in
+its input gradient (:func:`~omenn_kernels.folding.scale_gradients_not_kernels`), and
+compiles that graph (Inductor; CUDA graphs on CUDA). Most fused ops are traced as
 their aten math, so that Inductor fuses them with their neighbours
 (:func:`~omenn_kernels.ops.traced_as_aten`). Later calls with the same signature run
 the compiled graph only: no Python per node, no rule dispatch. Every call of a signature,
@@ -20,7 +23,8 @@ several batch sizes (:func:`~omenn_kernels.capture.capture`) is traced and compi
 per batch size, without capturing or linearizing again.
 
 The model's parameters enter the graph as the tensors themselves, so in-place updates
-(optimizer steps, ``load_state_dict``) are seen; a re-bound parameter is a structural
+(optimizer steps, ``load_state_dict``) are seen, and the constants computed from them are
+refreshed before a run that follows such an update; a re-bound parameter is a structural
 change, on which the :class:`~omenn_kernels.api.Explainer` captures and compiles anew.
 
 Explanations differentiable with respect to the parameters (``create_graph``, the
@@ -67,6 +71,7 @@ from ..readout import ReadoutFunction
 from ..testing import relative_distance
 from . import fused
 from .executor import ParameterGradient
+from .parameter_only import ParameterDerived, hoist_parameter_only
 from .shape_only import fold_shape_only
 
 log = logging.getLogger("omenn_kernels.compiled")
@@ -105,6 +110,7 @@ class CompiledExplanation:
     graph: torch.fx.GraphModule
     run: Callable
     seconds: float  # tracing and compiling
+    parameter_derived: ParameterDerived | None  # constants computed from the parameters; refreshed before each run
 
 
 # What compiles a traced explanation; tests may swap in a cheaper one (the traced graph itself).
@@ -239,6 +245,8 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     # A first-order graph holds the backward already and its parameters need none; a
     # differentiable one records its compiled backward for the caller's loss.
     with torch.set_grad_enabled(parameter_gradient is not None), CAPTURE_LOCK:
+        if compiled.parameter_derived is not None:
+            compiled.parameter_derived.refresh()
         outputs = compiled.run(*_graph_inputs(x, target, trained))
     return _in_layout_of(given, channels_last, _owned(outputs, x, parameter_gradient))
 
@@ -306,8 +314,10 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     start = time.perf_counter()
     try:
         graph = make_fx(explanation, decomposition_table=decompositions)(*example)
-        scale_gradients_not_kernels(graph.graph)
         folded = fold_shape_only(graph, example)
+        parameter_derived = hoist_parameter_only(graph)
+        scale_gradients_not_kernels(graph.graph)
+        graph.recompile()
         with torch.no_grad():  # values only: the gradient is checked on the compiled graph
             replayed = graph(*example)
         compiled = COMPILER(graph, example)
@@ -332,7 +342,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
              _target_kind(target),
              f", differentiable ({parameter_gradient}, {len(trained)} parameter tensors)" if differentiable else "",
              seconds, sum(node.op == "call_function" for node in graph.graph.nodes), folded)
-    return CompiledExplanation(graph, compiled, seconds), result
+    return CompiledExplanation(graph, compiled, seconds, parameter_derived), result
 
 
 def _detached(outputs) -> tuple[torch.Tensor, ...]:

@@ -14,6 +14,8 @@ module                  op (``torch.ops.omenn``)     CPU                        
                                                      (aten products)
 ``batch_norm_ones``     ``batch_norm_ones`` (R3)     aten products                    aten products
 ``max_pool``            ``max_pool_indices`` (R13')  ATen's max pooling               ATen's max pooling
+                                                     (``csrc/max_pool.cpp`` in
+                                                     compiled graphs)
 ======================  ===========================  ===============================  ==============================
 
 Ops with a Triton kernel are ``torch.library.triton_op``: under ``torch.compile`` Inductor
@@ -70,7 +72,10 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
     linear layers' forward stay opaque calls (traced, BatchNorm made a batch of ResNet-50
     slower, and the linear forward made Inductor's code generation several times slower);
     without a parameter gradient the linear forward is traced as its C++ op
-    (``linear_ones_cpu``), which the compiled graph calls without the custom op's Python.
+    (``linear_ones_cpu``) and max pooling's arg-max as its own (``max_pool_indices_cpu``),
+    which the compiled graph calls without the custom op's Python, and the convolutions' ones
+    backward as its sum over channels in aten followed by the C++ op without a bias
+    (:func:`~omenn_kernels.ops.conv_bias.ones_gradient_summed_in_aten`).
 
     A ``differentiable`` explanation (``create_graph``, differentiated again by AOTAutograd)
     keeps the convolutions' input gradient an op of its own, whose registered backward takes
@@ -78,7 +83,7 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
     the batch, as in autograd's double backward of a convolution.
     """
     from ..native import available as native_available
-    from . import activation, batch_norm_ones, conv_bias, linear_ones
+    from . import activation, batch_norm_ones, conv_bias, linear_ones, max_pool
 
     omenn = torch.ops.omenn
     table = {omenn.activation.default: activation.reference,
@@ -89,6 +94,8 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
         table[omenn.conv2d_input_grad.default] = conv_bias.input_grad
         if device.type == "cpu" and native_available():
             table[omenn.linear_ones.default] = linear_ones.value_and_ones_cpu
+            table[omenn.conv2d_ones_backward.default] = conv_bias.ones_gradient_summed_in_aten
+            table[omenn.max_pool_indices.default] = max_pool.max_pool_indices_cpu
     if device.type == "cuda":
         table.update({omenn.linear_ones.default: linear_ones.value_and_ones,
                       omenn.batch_norm_ones.default: batch_norm_ones.value,

@@ -147,6 +147,21 @@ def conv2d_ones_backward(grad: torch.Tensor, grad_ones: torch.Tensor, bias: Opti
                                      padding, dilation)
 
 
+def ones_gradient_summed_in_aten(grad: torch.Tensor, grad_ones: torch.Tensor, bias: Optional[torch.Tensor],
+                                 window_sum: torch.Tensor, input_size: list[int], kernel_size: list[int],
+                                 stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:
+    """:func:`conv2d_ones_backward` as a compiled explanation on the CPU traces it: the sum over
+    channels ``Σ_c grad_c·b_c`` in aten, which the compiler computes in the kernel that produces
+    ``grad`` (in the layout it has), and the C++ op without a bias for the rest, which then never
+    reads ``grad`` (no contiguous copy of it)."""
+    if bias is not None:
+        dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32  # the C++ kernel's accumulation
+        summed = (grad.to(dtype) * bias.to(dtype).view(1, -1, 1, 1)).sum(1, keepdim=True)
+        grad_ones = summed + grad_ones.to(dtype)
+    return _conv2d_ones_backward_cpu(grad, grad_ones, None, window_sum, input_size, kernel_size, stride, padding,
+                                     dilation)
+
+
 def _conv2d_ones_backward_setup(ctx, inputs, output) -> None:
     grad, grad_ones, bias, window_sum, _size, ctx.kernel_size, ctx.stride, ctx.padding, ctx.dilation = inputs
     ctx.grad_ones_shape = grad_ones.shape
@@ -200,7 +215,9 @@ def _conv2d_ones_grad(ctx, grad, grad_ones):
         # x gives only its shape: detached, the backward's graph has no edge to the forward.
         grad_x = conv2d_input_grad(grad_like_x, x.detach(), weight_like_x, ctx.stride, ctx.padding,
                                    ctx.dilation, ctx.groups)
-    grad_ones_in = conv2d_ones_backward(grad if bias is None else grad.contiguous(), grad_ones.contiguous(),
+    # The C++ kernel copies a strided grad itself, and only where it reads it (a bias).
+    needs_contiguous = bias is not None and grad.device.type != "cpu"
+    grad_ones_in = conv2d_ones_backward(grad.contiguous() if needs_contiguous else grad, grad_ones.contiguous(),
                                         bias, window_sum,
                                         list(x.shape[2:]), list(weight.shape[2:]), ctx.stride,
                                         ctx.padding, ctx.dilation)

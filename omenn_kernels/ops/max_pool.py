@@ -7,14 +7,18 @@ reads the indices. As an op of its own it runs once per call, as ATen's pooling 
 channels in channels-last memory on the CPU), and compiled code reads its indices from
 memory. The indices are integers: the op has no gradient.
 
-Kernels: ATen's max pooling on every device. Reference: ``F.max_pool{1,2,3}d(...,
-return_indices=True)``, the same call.
+Kernels: ATen's max pooling on every device, called from C++ on the CPU where a compiled
+explanation calls it (``omenn::max_pool_indices_cpu``, ``csrc/max_pool.cpp``: the same calls,
+without the Python of a call). Reference: ``F.max_pool{1,2,3}d(..., return_indices=True)``,
+the same call.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..native import define_cpu_op
 
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _CHANNELS_LAST_FROM = 16  # channels; with fewer (an RGB image) the copy costs more than it saves
@@ -42,3 +46,7 @@ torch.library.register_fake("omenn::max_pool_indices", indices, lib=_LIBRARY)
 # The flat arg-max of each window over the spatial dims of x (N, C, *spatial), as
 # F.max_pool{1,2,3}d(..., return_indices=True) returns it (an empty stride: the kernel's).
 max_pool_indices = torch.ops.omenn.max_pool_indices.default
+
+# The same indices from C++ (csrc/max_pool.cpp); a compiled explanation on the CPU calls it.
+max_pool_indices_cpu = define_cpu_op("max_pool_indices_cpu(Tensor x, int[] kernel, int[] stride, int[] padding, "
+                                     "int[] dilation, bool ceil_mode) -> Tensor", indices)

@@ -300,12 +300,15 @@ def test_the_ops_traced_as_aten_math_equal_the_reference(name, device, traced, m
     """The decomposition table of a trace on each device (:func:`~omenn_kernels.ops.traced_as_aten`),
     run on the CPU: float64, equal to the reference; the graph calls no fused op but those the
     table keeps (on CUDA: attention, the convolution's ones backward and max pooling's arg-max;
-    on the CPU the linear layers' forward is the C++ op ``linear_ones_cpu``)."""
+    on the CPU the C++ ops of the linear layers' forward, of max pooling's arg-max and of the
+    convolution's ones backward)."""
     from omenn_kernels import ops
 
     table = ops.traced_as_aten(torch.device(device))
     cpu_table, cuda_table = ops.traced_as_aten(torch.device("cpu")), ops.traced_as_aten(torch.device("cuda"))
-    assert cpu_table and set(cpu_table) < set(cuda_table)
+    omenn = torch.ops.omenn
+    cpu_only = {omenn.conv2d_ones_backward.default, omenn.max_pool_indices.default}  # to their C++ ops
+    assert cpu_table and set(cpu_table) - cpu_only < set(cuda_table)
     monkeypatch.setattr(compiled, "traced_as_aten", lambda *_: table)
     model, x = _model(name, torch.float64)
     reference, explainer = Explainer(model, backend="reference"), Explainer(model, backend="compiled")
@@ -322,8 +325,11 @@ def test_the_ops_traced_as_aten_math_equal_the_reference(name, device, traced, m
         kept = {"omenn.attention.default", "omenn.attention_backward_dv.default",
                 "omenn.conv2d_ones_backward.default", "omenn.max_pool_indices.default"}
         assert {str(op) for op in called if str(op).startswith("omenn.")} <= kept
-    else:  # the linear layers' forward: the C++ op, without the custom op's Python
-        assert torch.ops.omenn.linear_ones_cpu.default in called
+    else:  # the C++ ops, without the custom ops' Python
+        cpp = {omenn.linear_ones_cpu.default}
+        if name == "cnn":
+            cpp |= {omenn.max_pool_indices_cpu.default, omenn.conv2d_ones_backward_cpu.default}
+        assert cpp <= called
     assert any(str(op).startswith(("aten.convolution", "aten.mm", "aten.bmm")) for op in called)
 
 

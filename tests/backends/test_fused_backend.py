@@ -120,13 +120,20 @@ def test_opcheck_activation(kind):
 
 def _cpu_kernel_calls():
     """A call of each op whose CPU kernel is in csrc/, with the pybind function (or, for
-    linear_ones_cpu, the aten math) that computes the same."""
+    linear_ones_cpu and max_pool_indices_cpu, the Python math) that computes the same."""
     x, grad = torch.randn(2, 5, 7), torch.randn(2, 5, 7)
     conv_grad, grad_ones = torch.randn(2, 3, 4, 5), torch.randn(2, 1, 4, 5)
     bias, window_sum = torch.randn(3), torch.randint(1, 10, (2, 1, 4, 5)).float()
     ones, weight, linear_bias = torch.rand(2, 5, 1), torch.randn(4, 7), torch.randn(4)
+    images = torch.randn(2, 16, 7, 9)  # channels-last pooling from 16 channels
     ext = native.cpu_kernels()
-    return [(torch.ops.omenn.linear_ones_cpu.default, (x, ones, weight, linear_bias),
+    return [*[(torch.ops.omenn.max_pool_indices_cpu.default, (pooled, *geometry),
+               lambda pooled=pooled, geometry=geometry: max_pool.indices(pooled, *geometry))
+              for pooled, geometry in ((images, ([3, 2], [2, 2], [1, 0], [1, 1], True)),
+                                       (images[:, :3], ([2, 2], [], [0, 0], [1, 1], False)),
+                                       (x, ([3], [2], [1], [1], False)),
+                                       (images[:, :4, None], ([1, 2, 2], [1, 2, 2], [0, 0, 0], [1, 1, 1], False)))],
+            (torch.ops.omenn.linear_ones_cpu.default, (x, ones, weight, linear_bias),
              lambda: linear_ones.value_and_ones(x, ones, weight, linear_bias, 0, 4)),
             (torch.ops.omenn.linear_ones_cpu.default, (x, ones, weight, None),
              lambda: linear_ones.value_and_ones(x, ones, weight, None, 0, 4)),
@@ -136,6 +143,21 @@ def _cpu_kernel_calls():
             (torch.ops.omenn.conv2d_ones_backward_cpu.default,
              (conv_grad, grad_ones, bias, window_sum, [7, 9], [3, 3], [2, 2], [1, 1], [1, 1]),
              lambda: ext.conv_bias_ones_backward(conv_grad, bias, grad_ones, window_sum, 7, 9, 3, 3, 2, 2, 1, 1, 1, 1))]
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_ones_gradient_summed_in_aten_equals_the_op(memory_format, with_bias):
+    """What a compiled explanation on the CPU traces for a convolution's ones backward (the sum
+    over channels in aten, then the C++ op without a bias) against the op; float64 to 1e-12."""
+    grad = torch.randn(2, 5, 4, 6, dtype=torch.float64).contiguous(memory_format=memory_format)
+    grad_ones = torch.randn(2, 1, 4, 6, dtype=torch.float64)
+    bias = torch.randn(5, dtype=torch.float64) if with_bias else None
+    window_sum = torch.randint(0, 10, (2, 1, 4, 6)).double()  # 0 where a window sees only padding
+    geometry = ([8, 11], [3, 3], [2, 2], [1, 1], [1, 1])
+    got = conv_bias.ones_gradient_summed_in_aten(grad, grad_ones, bias, window_sum, *geometry)
+    want = conv_bias.conv2d_ones_backward(grad, grad_ones, bias, window_sum, *geometry)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_cpu_ops_are_their_cpp_kernels():

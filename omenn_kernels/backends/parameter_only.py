@@ -1,0 +1,187 @@
+"""Taking a traced explanation's parameter-only arithmetic out of its graph.
+
+Part of a traced explanation reads the model's parameters and buffers alone: each
+BatchNorm folded into its convolution (:mod:`~omenn_kernels.folding`: the kernel ``W·s``
+and bias ``b·s + t``, ``s = γ/√(var+ε)``), and whatever else a model computes from its
+weights (a scaled or summed kernel). Computed per call, that is a pass over those
+parameters at every explanation, which at small batches costs as much as the layers'
+activations; and a convolution whose input runs channels-last converts its kernel to
+that layout at every call.
+
+A first-order explanation's graph holds the parameters as the tensors themselves
+(``get_attr``). :func:`hoist_parameter_only` moves each parameter-only value that costs
+arithmetic and feeds the rest of the graph into a prelude, and has the graph read it as
+a constant (a kernel in its convolution's input layout). The constants are kept between
+calls: :meth:`ParameterDerived.refresh`, called before every run, computes them again,
+in place, where a parameter or buffer they come from changed since — its version counter
+(any in-place write: optimizer steps, ``load_state_dict``) or its storage (``.data =``).
+A parameter that a differentiable explanation trains is a graph input, not a
+``get_attr``, so nothing computed from it is taken out.
+
+The price is memory: the constants live as long as the compiled explanation, one folded
+copy of each folded convolution's kernel.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from ..linearize.values import channels_last
+from .shape_only import _foldable_op, _free, _written_in_place
+
+aten = torch.ops.aten
+
+# Ops that take a convolution kernel, with the kernel's position and those of the activations
+# whose layout ATen converts the kernel to.
+_KERNEL_USERS = {aten.convolution.default: (1, (0,)), aten.convolution_backward.default: (2, (0, 1))}
+
+
+class ParameterDerived:
+    """The parameter-only values that a compiled graph reads as constants, and how to compute them.
+
+    Attributes:
+        prelude: a graph of no inputs that returns the values from the parameters and buffers.
+        values: the constants the graph reads (refreshed in place).
+        sources: the parameters and buffers the prelude reads.
+    """
+
+    def __init__(self, prelude: GraphModule, values: list[torch.Tensor], sources: list[torch.Tensor]):
+        self.prelude = prelude
+        self.values = values
+        self.sources = sources
+        self._state = self._read_state()
+
+    def _read_state(self) -> list[tuple[int, int]]:
+        return [(source._version, source.data_ptr()) for source in self.sources]
+
+    def refresh(self) -> None:
+        """Compute the values again, in place, if a source changed since they were computed."""
+        state = self._read_state()
+        if state == self._state:
+            return
+        with torch.no_grad():
+            for value, fresh in zip(self.values, self.prelude()):
+                value.copy_(fresh)
+        self._state = state
+
+
+def hoist_parameter_only(module: GraphModule) -> ParameterDerived | None:
+    """Move ``module``'s parameter-only values that cost arithmetic and feed the rest of the graph
+    into a prelude, and have the graph read them as constants (buffers of ``module``).
+
+    Returns what computes and refreshes them, or None where there are none. The graph is
+    changed in place and recompiled.
+    """
+    graph = module.graph
+    parameter_only = _parameter_only(module)
+    costly: set[Node] = set()  # parameter-only nodes with arithmetic at or before them
+    for node in graph.nodes:
+        if node in parameter_only and node.op == "call_function" \
+                and (not _free(node) or any(n in costly for n in node.all_input_nodes)):
+            costly.add(node)
+    # What the graph keeps: every other node, and the views it reads of parameter-only values
+    # (a view costs nothing and the folding patterns read through it; its base is hoisted).
+    stays: set[Node] = set()
+    for node in reversed(graph.nodes):
+        if node not in parameter_only or (_view(node) and any(user in stays for user in node.users)):
+            stays.add(node)
+    hoisted = [node for node in graph.nodes if node in costly and node not in stays and not _view(node)
+               and isinstance(node.meta.get("val"), torch.Tensor) and any(user in stays for user in node.users)
+               and node.meta["val"].numel() <= _source_elements(module, node)]
+    if not hoisted:
+        return None
+    prelude = _prelude(module, hoisted)
+    with torch.no_grad():
+        fresh = prelude()
+    values = []
+    for index, (node, value) in enumerate(zip(hoisted, fresh)):
+        value = value.clone(memory_format=_layout(node))  # its own storage, never a parameter's
+        name = f"_parameter_derived_{index}"
+        module.register_buffer(name, value, persistent=False)
+        with graph.inserting_before(node):
+            constant = graph.get_attr(name)
+        constant.meta.update(node.meta)
+        node.replace_all_uses_with(constant, delete_user_cb=lambda user: user in stays)
+        values.append(value)
+    graph.eliminate_dead_code()
+    graph.lint()
+    module.recompile()
+    sources = [operator.attrgetter(node.target)(prelude) for node in prelude.graph.nodes if node.op == "get_attr"]
+    return ParameterDerived(prelude, values, sources)
+
+
+def _parameter_only(module: GraphModule) -> set[Node]:
+    """The nodes of ``module`` computed from its tensor constants alone (never written in place),
+    less those that the graph returns or that a returned value is computed from (the caller
+    would otherwise hold, and could write, a kept constant)."""
+    graph = module.graph
+    written = _written_in_place(graph)
+    parameter_only: set[Node] = set()
+    for node in graph.nodes:
+        if node in written:
+            continue
+        if node.op == "get_attr":
+            value = operator.attrgetter(node.target)(module)
+            if isinstance(value, torch.Tensor) and not value.is_inference():  # inference tensors have no version
+                parameter_only.add(node)
+        elif _foldable_op(node) and node.all_input_nodes and all(n in parameter_only for n in node.all_input_nodes):
+            parameter_only.add(node)
+    pending = [n for n in graph.output_node().all_input_nodes if n in parameter_only]
+    while pending:
+        node = pending.pop()
+        parameter_only.discard(node)
+        pending.extend(n for n in node.all_input_nodes if n in parameter_only)
+    return parameter_only
+
+
+def _source_elements(module: GraphModule, node: Node) -> int:
+    """The number of elements of the tensor constants that ``node`` is computed from.
+
+    A value with more (a bias broadcast over the positions by the ones: one copy per batch
+    size) is left to the compiler, which computes it inside the kernel that reads it."""
+    sources: set[Node] = set()
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current.op == "get_attr":
+            sources.add(current)
+        pending.extend(current.all_input_nodes)
+    return sum(operator.attrgetter(source.target)(module).numel() for source in sources)
+
+
+def _view(node: Node) -> bool:
+    return _free(node) and node.target is not operator.getitem
+
+
+def _prelude(module: GraphModule, hoisted: list[Node]) -> GraphModule:
+    """A graph of no inputs computing ``hoisted`` from ``module``'s parameters and buffers."""
+    needed: set[Node] = set()
+    pending = list(hoisted)
+    while pending:
+        node = pending.pop()
+        if node not in needed:
+            needed.add(node)
+            pending.extend(node.all_input_nodes)
+    prelude = torch.fx.Graph()
+    copies: dict[Node, Node] = {}
+    for node in module.graph.nodes:
+        if node in needed:
+            copies[node] = prelude.node_copy(node, lambda n: copies[n])
+    prelude.output(tuple(copies[node] for node in hoisted))
+    return GraphModule(module, prelude)  # refers to the same parameter and buffer tensors
+
+
+def _layout(node: Node) -> torch.memory_format:
+    """Channels-last for a convolution kernel whose convolutions take channels-last activations
+    (ATen would convert it at every call), else contiguous."""
+    for user in node.users:
+        positions = _KERNEL_USERS.get(user.target)
+        if positions is None or len(user.args) <= positions[0] or user.args[positions[0]] is not node:
+            continue
+        activations = [user.args[i].meta.get("val") for i in positions[1] if isinstance(user.args[i], Node)]
+        if any(isinstance(a, torch.Tensor) and channels_last(a) for a in activations):
+            return torch.channels_last
+    return torch.contiguous_format
