@@ -338,10 +338,11 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         return _FAILED, None
     seconds = time.perf_counter() - start
     log.info("compiled the explanation of %s for input %s %s and target %s%s in %.1f s (%d aten nodes, "
-             "%d shape-only values folded)", type(model).__name__, tuple(x.shape), x.dtype,
-             _target_kind(target),
+             "%d shape-only values folded, %d parameter-only values kept)", type(model).__name__, tuple(x.shape),
+             x.dtype, _target_kind(target),
              f", differentiable ({parameter_gradient}, {len(trained)} parameter tensors)" if differentiable else "",
-             seconds, sum(node.op == "call_function" for node in graph.graph.nodes), folded)
+             seconds, sum(node.op == "call_function" for node in graph.graph.nodes), folded,
+             len(parameter_derived.values) if parameter_derived is not None else 0)
     return CompiledExplanation(graph, compiled, seconds, parameter_derived), result
 
 

@@ -227,7 +227,8 @@ def test_a_compilation_is_logged_with_its_time(traced, caplog):
     (message,) = [r.getMessage() for r in caplog.records if r.name == "omenn_kernels.compiled"]
     expected = re.escape(f"compiled the explanation of {type(model).__name__} for input {tuple(x.shape)} "
                          "torch.float64 and target indices in ")
-    assert re.fullmatch(expected + r"\d+\.\d s \(\d+ aten nodes, \d+ shape-only values folded\)", message), message
+    assert re.fullmatch(expected + r"\d+\.\d s \(\d+ aten nodes, \d+ shape-only values folded, "
+                        r"\d+ parameter-only values kept\)", message), message
 
 
 def test_a_failed_compilation_warns_once_and_falls_back(monkeypatch):
