@@ -360,14 +360,14 @@ def _mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], x: 
               exact_order: bool) -> str | None:
     """Why ``got`` (weight, bias, logit, target, logits) is not the fused backend's ``want``, or None.
 
-    In half precision the weight and bias of two correct explanations that round
+    In half precision (see :func:`_half_precision`) the weight and bias of two correct explanations that round
     differently can differ by tens of percent (a rounding flips a gate, and the backward
     carries the change), so the compiled graph is held there to what does not depend on
     rounding order: the logits (forward values), and completeness, ``Σ C_w·x + Σ C_b = ŷ``
     per read-out, to 2 % of the three terms' magnitudes plus four times the fused
     backend's own completeness error. The returned message has ``{}`` for the model's name.
     """
-    half = x.dtype not in _ORDERED_TOLERANCE
+    half = _half_precision(x)
     if half and not exact_order:
         if relative_distance(got[4], want[4]) > _HALF_LOGITS:
             return f"{stage} explanation of {{}} gives logits that differ from the fused backend's by more " \
@@ -386,6 +386,15 @@ def _mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], x: 
     return None
 
 
+def _half_precision(x: torch.Tensor) -> bool:
+    """Whether the explanation of ``x`` computes in half precision: ``x`` is 16-bit, or autocast to
+    a 16-bit type is on for its device (the graph then casts float32 inputs and weights)."""
+    device = x.device.type
+    autocast_half = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in (torch.float16,
+                                                                                              torch.bfloat16)
+    return x.dtype not in _ORDERED_TOLERANCE or autocast_half
+
+
 def _gradient_mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...],
                        parameters: list[torch.Tensor], x: torch.Tensor) -> str | None:
     """Why the parameter gradient of a random projection of ``got`` (the compiled graph's
@@ -395,7 +404,7 @@ def _gradient_mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, 
     float64 computation. In half precision the gradient, like the weight (see
     :func:`_mismatch`), moves with rounding order and is not compared.
     """
-    if x.dtype not in _REORDERED_TOLERANCE or not parameters:
+    if _half_precision(x) or not parameters:
         return None
     pairs = [(g, w) for g, w in zip(got, want) if isinstance(w, torch.Tensor) and w.requires_grad]
     generator = torch.Generator(device=x.device).manual_seed(0)

@@ -294,6 +294,40 @@ def test_in_half_precision_the_compiled_graph_is_held_to_its_logits_and_complete
         Explainer(model, backend="compiled")(x)
 
 
+def test_under_autocast_to_bfloat16_the_compiled_graph_is_used(traced):
+    """Autocast computes in bfloat16 from float32 images: the graph is held to its logits and
+    completeness, as with bfloat16 images, not to float32's tolerance (under which every such
+    signature fell back to the fused backend)."""
+    model, x = _model("vit", torch.float32)
+    explainer = Explainer(model, backend="compiled")
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.filterwarnings("error", message="omenn_kernels")
+        for _ in range(2):
+            explanation = explainer(x, 1)
+    program, _ = explainer.program(x)
+    (compiled_explanation,) = program.compiled.values()
+    assert isinstance(compiled_explanation, compiled.CompiledExplanation)
+    assert explanation.logit.dtype == torch.bfloat16
+
+
+def test_a_cnn_under_autocast_falls_back_with_the_cause_named(traced):
+    """Fused ops traced as their aten math run below autocast, which then casts nothing inside
+    them: a convolution meets a bfloat16 input with a float32 bias. The signature runs on the
+    fused backend, after one warning that names the cause."""
+    model, x = _model("cnn", torch.float32)
+    explainer = Explainer(model, backend="compiled")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(RuntimeWarning, match=r"could not compile .*BFloat16.*runs on the fused backend"):
+            explanation = explainer(x, 1)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="omenn_kernels")
+            again = explainer(x, 1)
+    assert torch.equal(again.weight, explanation.weight)  # the fused backend both times, same layout
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = Explainer(model, backend="fused")(x, 1)
+    assert relative_distance(explanation.logits, want.logits) <= 5e-2
+
+
 @pytest.mark.parametrize("name, device", [("vit", "cpu"), ("cnn", "cpu"), ("vit", "cuda"), ("cnn", "cuda"),
                                           ("efficientnet", "cuda")],
                          ids=["vit-cpu", "cnn-cpu", "vit-cuda", "cnn-cuda", "efficientnet-cuda"])
