@@ -18,13 +18,15 @@ in place, where a parameter or buffer they come from changed since — its versi
 A parameter that a differentiable explanation trains is a graph input, not a
 ``get_attr``, so nothing computed from it is taken out.
 
-The price is memory: the constants live as long as the compiled explanation, one folded
-copy of each folded convolution's kernel.
+The price is memory: the constants live as long as a compiled explanation that reads them,
+one folded copy of each folded convolution's kernel, shared by the graphs of every
+signature (batch size) of the model.
 """
 
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 from torch.fx import GraphModule, Node
@@ -33,6 +35,11 @@ from ..linearize.values import channels_last
 from .shape_only import _foldable_op, _free, _written_in_place
 
 aten = torch.ops.aten
+
+# The kept values by recipe (the ops and source tensors that compute them) and layout, so that
+# the graphs of several signatures share them. An entry lives while a graph holds its value;
+# that graph's prelude holds the source tensors, so their ids are not reused meanwhile.
+_KEPT: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 # Ops that take a convolution kernel, with the kernel's position and those of the activations
 # whose layout ATen converts the kernel to.
@@ -97,8 +104,15 @@ def hoist_parameter_only(module: GraphModule) -> ParameterDerived | None:
     with torch.no_grad():
         fresh = prelude()
     values = []
+    recipes: dict[Node, tuple] = {}
     for index, (node, value) in enumerate(zip(hoisted, fresh)):
-        value = value.clone(memory_format=_layout(node))  # its own storage, never a parameter's
+        key = (_recipe(module, node, recipes), _layout(node))
+        kept = _KEPT.get(key)
+        if kept is None:
+            kept = _KEPT[key] = value.clone(memory_format=key[1])  # its own storage, never a parameter's
+        else:
+            kept.copy_(value)
+        value = kept
         name = f"_parameter_derived_{index}"
         module.register_buffer(name, value, persistent=False)
         with graph.inserting_before(node):
@@ -150,6 +164,27 @@ def _source_elements(module: GraphModule, node: Node) -> int:
             sources.add(current)
         pending.extend(current.all_input_nodes)
     return sum(operator.attrgetter(source.target)(module).numel() for source in sources)
+
+
+def _recipe(module: GraphModule, node: Node, recipes: dict[Node, tuple]) -> tuple:
+    """What computes ``node``: its op and arguments, down to the identities of the tensors it reads."""
+    if node not in recipes:
+        if node.op == "get_attr":
+            recipes[node] = ("tensor", id(operator.attrgetter(node.target)(module)))
+        else:
+            def recipe(n: Node) -> tuple:
+                return _recipe(module, n, recipes)
+            arguments = torch.fx.node.map_arg((node.args, node.kwargs), recipe)
+            recipes[node] = (str(node.target), _hashable(arguments))
+    return recipes[node]
+
+
+def _hashable(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
 
 
 def _view(node: Node) -> bool:
