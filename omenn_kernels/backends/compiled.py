@@ -162,9 +162,9 @@ def _signature(x: torch.Tensor, channels_last: bool, target, parameter_gradient:
     differentiation = (parameter_gradient, tuple(trained)) if parameter_gradient is not None else None
     images = (tuple(x.shape), channels_last)
     kind = _target_kind(target)
-    if target is None:
+    if kind == "predicted":
         return (kind, images, autocast, differentiation)
-    if isinstance(target, ReadoutFunction):
+    if kind == "function":
         return (kind, images, target.function,
                 tuple((tuple(a.shape), a.dtype, a.device) for a in target.arguments), autocast, differentiation)
     return (kind, images, tuple(target.shape), target.dtype, target.device, autocast, differentiation)

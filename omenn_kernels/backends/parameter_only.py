@@ -32,7 +32,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from ..linearize.values import channels_last
-from .shape_only import _foldable_op, _free, _written_in_place
+from .shape_only import foldable_op, free, with_arithmetic, written_in_place
 
 aten = torch.ops.aten
 
@@ -84,11 +84,7 @@ def hoist_parameter_only(module: GraphModule) -> ParameterDerived | None:
     """
     graph = module.graph
     parameter_only = _parameter_only(module)
-    costly: set[Node] = set()  # parameter-only nodes with arithmetic at or before them
-    for node in graph.nodes:
-        if node in parameter_only and node.op == "call_function" \
-                and (not _free(node) or any(n in costly for n in node.all_input_nodes)):
-            costly.add(node)
+    costly = with_arithmetic(graph, parameter_only)
     # What the graph keeps: every other node, and the views it reads of parameter-only values
     # (a view costs nothing and the folding patterns read through it; its base is hoisted).
     stays: set[Node] = set()
@@ -132,7 +128,7 @@ def _parameter_only(module: GraphModule) -> set[Node]:
     less those that the graph returns or that a returned value is computed from (the caller
     would otherwise hold, and could write, a kept constant)."""
     graph = module.graph
-    written = _written_in_place(graph)
+    written = written_in_place(graph)
     parameter_only: set[Node] = set()
     for node in graph.nodes:
         if node in written:
@@ -141,7 +137,7 @@ def _parameter_only(module: GraphModule) -> set[Node]:
             value = operator.attrgetter(node.target)(module)
             if isinstance(value, torch.Tensor) and not value.is_inference():  # inference tensors have no version
                 parameter_only.add(node)
-        elif _foldable_op(node) and node.all_input_nodes and all(n in parameter_only for n in node.all_input_nodes):
+        elif foldable_op(node) and node.all_input_nodes and all(n in parameter_only for n in node.all_input_nodes):
             parameter_only.add(node)
     pending = [n for n in graph.output_node().all_input_nodes if n in parameter_only]
     while pending:
@@ -188,7 +184,7 @@ def _hashable(value):
 
 
 def _view(node: Node) -> bool:
-    return _free(node) and node.target is not operator.getitem
+    return free(node) and node.target is not operator.getitem
 
 
 def _prelude(module: GraphModule, hoisted: list[Node]) -> GraphModule:

@@ -37,14 +37,14 @@ _FACTORIES = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.defau
               aten.arange.start_step}
 
 
-def _free(node: Node) -> bool:
+def free(node: Node) -> bool:
     """Whether ``node`` is a factory, a view or a tuple item: no arithmetic of its own."""
     target = node.target
     return target in _FACTORIES or (isinstance(target, torch._ops.OpOverload) and target.is_view) \
         or target is operator.getitem
 
 
-def _foldable_op(node: Node) -> bool:
+def foldable_op(node: Node) -> bool:
     """A deterministic, functional aten op (or a tuple item): its value is a function of its arguments."""
     if node.op != "call_function":
         return False
@@ -57,7 +57,7 @@ def _foldable_op(node: Node) -> bool:
     return not mutates and torch.Tag.nondeterministic_seeded not in node.target.tags
 
 
-def _written_in_place(graph: torch.fx.Graph) -> set[Node]:
+def written_in_place(graph: torch.fx.Graph) -> set[Node]:
     """Nodes that some op writes in place, with the nodes they are views of."""
     written: set[Node] = set()
     for node in graph.nodes:
@@ -69,7 +69,7 @@ def _written_in_place(graph: torch.fx.Graph) -> set[Node]:
     pending = list(written)
     while pending:  # a view's base is written with it
         node = pending.pop()
-        if node.op == "call_function" and _free(node) and node.target not in _FACTORIES and node.args \
+        if node.op == "call_function" and free(node) and node.target not in _FACTORIES and node.args \
                 and isinstance(node.args[0], Node) and node.args[0] not in written:
             written.add(node.args[0])
             pending.append(node.args[0])
@@ -88,6 +88,17 @@ def _uniform(value) -> bool:
     return isinstance(value, torch.Tensor) and value.numel() > 0 and bool((value == value.reshape(-1)[0]).all())
 
 
+def with_arithmetic(graph: torch.fx.Graph, members) -> set[Node]:
+    """The computed nodes among ``members`` with arithmetic at or before them (not only
+    factories, views and tuple items of what they read)."""
+    costly: set[Node] = set()
+    for node in graph.nodes:
+        if node in members and node.op == "call_function" \
+                and (not free(node) or any(n in costly for n in node.all_input_nodes)):
+            costly.add(node)
+    return costly
+
+
 class _ShapeOnly(Interpreter):
     """Runs the graph once on the example inputs; finds its shape-only nodes and keeps their values.
 
@@ -98,7 +109,7 @@ class _ShapeOnly(Interpreter):
 
     def __init__(self, module: GraphModule):
         super().__init__(module)
-        self.written = _written_in_place(module.graph)
+        self.written = written_in_place(module.graph)
         self.shape_only: dict[Node, object] = {}  # node → its value
 
     def run_node(self, node: Node):
@@ -111,7 +122,7 @@ class _ShapeOnly(Interpreter):
         fused_arguments = _fused_output_arguments(node)
         if fused_arguments is not None:
             inputs = [node.args[0].args[i] for i in fused_arguments]
-        elif not _foldable_op(node):
+        elif not foldable_op(node):
             return False
         elif node.target in _FACTORIES:
             return True
@@ -135,10 +146,7 @@ def fold_shape_only(module: GraphModule, example: list[torch.Tensor]) -> int:
     with torch.no_grad():
         analysis.run(*example)
     shape_only = analysis.shape_only
-    costly: set[Node] = set()  # shape-only nodes with arithmetic at or before them
-    for node in module.graph.nodes:
-        if node in shape_only and (not _free(node) or any(n in costly for n in node.all_input_nodes)):
-            costly.add(node)
+    costly = with_arithmetic(module.graph, shape_only)
     folded = 0
     for node in [n for n in module.graph.nodes if n in costly]:
         value = shape_only[node]
