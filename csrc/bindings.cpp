@@ -61,6 +61,8 @@ TORCH_LIBRARY_IMPL(omenn, CPU, m) {
   m.impl("conv2d_ones_backward_cpu", &conv2d_ones_backward_op);
   m.impl("linear_ones_cpu", &omenn_cpu::linear_ones);
   m.impl("max_pool_indices_cpu", &omenn_cpu::max_pool_indices);
+  m.impl("conv2d_packed_cpu", &omenn_cpu::conv2d_packed);
+  m.impl("conv2d_input_grad_packed_cpu", &omenn_cpu::conv2d_input_grad_packed);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -90,4 +92,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grad"), py::arg("bias"), py::arg("grad_ones_out"), py::arg("S"), py::arg("H"),
         py::arg("W"), py::arg("kh"), py::arg("kw"), py::arg("sh"), py::arg("sw"), py::arg("ph"),
         py::arg("pw"), py::arg("dh"), py::arg("dw"));
+  m.def("packed_weight_reorders", &omenn_cpu::packed_weight_reorders,
+        "how many weights the packed convolutions (conv2d_packed_cpu, conv2d_input_grad_packed_cpu) "
+        "have reordered into oneDNN's layout in this process");
 }

@@ -5,6 +5,8 @@
 //     convolution's bias spread with a per-position ones channel.
 // R1  linear_ones: a linear layer's value with its bias carried by the mean of the ones.
 // R13' max_pool_indices: the arg-max of each window of a max pooling.
+// R2  conv2d_packed / conv2d_input_grad_packed: a float32 convolution and its input
+//     gradient through oneDNN, each weight reordered once (a cache by weight and version).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -65,5 +67,23 @@ std::tuple<at::Tensor, at::Tensor> linear_ones(const at::Tensor& x, const at::Te
 // (an empty stride: the kernel's).
 at::Tensor max_pool_indices(const at::Tensor& x, at::IntArrayRef kernel, at::IntArrayRef stride,
                             at::IntArrayRef padding, at::IntArrayRef dilation, bool ceil_mode);
+
+// conv2d(x, weight, bias) through oneDNN with the weight reordered once per weight version;
+// float32, the output channels-last or contiguous as asked.
+at::Tensor conv2d_packed(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                         c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+                         bool channels_last);
+
+// The input gradient (B, Cin, *input_size) of conv2d(x, weight) for the output gradient grad:
+// the transposed convolution of grad with weight, through oneDNN as conv2d_packed.
+at::Tensor conv2d_input_grad_packed(const at::Tensor& grad, const at::Tensor& weight,
+                                    c10::IntArrayRef input_size, c10::IntArrayRef stride,
+                                    c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                                    int64_t groups, bool channels_last);
+
+// How many weights conv2d_packed and conv2d_input_grad_packed have reordered in this process
+// (a replay of the same weights reorders none).
+int64_t packed_weight_reorders();
 
 }  // namespace omenn_cpu

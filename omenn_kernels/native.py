@@ -22,6 +22,7 @@ reaches C++ without a Python frame per call. The module's Python functions:
 - ``bias_share(grad, bias, grad_ones_out, S)``: ``(Σ_c grad·bias + grad_ones_out)/S`` (R2)
 - ``spread_bias_share(r, H, W, kh, kw, sh, sw, ph, pw, dh, dw)``
 - ``conv_bias_ones_backward(grad, bias, grad_ones_out, S, H, W, kh, kw, sh, sw, ph, pw, dh, dw)``
+- ``packed_weight_reorders()``: how many weights the packed convolutions reordered so far
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import torch
 
 NAME = "omenn_cpu"
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-SOURCES = ("activation.cpp", "conv_bias.cpp", "linear_ones.cpp", "max_pool.cpp", "bindings.cpp")
+SOURCES = ("activation.cpp", "conv_bias.cpp", "conv_packed.cpp", "linear_ones.cpp", "max_pool.cpp", "bindings.cpp")
 def _simd_flags() -> list[str]:
     """AVX-512 (or AVX2) flags where this CPU has them, as PyTorch's own kernels pick, so ATen's SIMD vectors (and Sleef's
     erfc/exp) serve the float32 GELU and SiLU loops, as in PyTorch's own kernels."""

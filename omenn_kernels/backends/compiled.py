@@ -11,8 +11,9 @@ graph, folds its shape-only part (the ones channel's forward) into constants
 folded into kernels) out into constants computed again whenever a parameter they come
 from changes (:mod:`~omenn_kernels.backends.parameter_only`), has each folded convolution
 whose kernel the graph still computes (from trained parameters) read the unfolded kernel in
-its input gradient (:func:`~omenn_kernels.folding.scale_gradients_not_kernels`), and
-compiles that graph (Inductor; CUDA graphs on CUDA). Most fused ops are traced as
+its input gradient (:func:`~omenn_kernels.folding.scale_gradients_not_kernels`),
+runs a float32 CPU graph's convolutions of constant kernels on oneDNN with the kernels
+reordered once (:mod:`~omenn_kernels.backends.packed_weights`), and compiles that graph (Inductor; CUDA graphs on CUDA). Most fused ops are traced as
 their aten math, so that Inductor fuses them with their neighbours
 (:func:`~omenn_kernels.ops.traced_as_aten`). Later calls with the same signature run
 the compiled graph only: no Python per node, no rule dispatch. Every call of a signature,
@@ -72,6 +73,7 @@ from ..testing import relative_distance
 from . import fused
 from .executor import ParameterGradient
 from .parameter_only import ParameterDerived, hoist_parameter_only
+from .packed_weights import pack_constant_convolutions, packing_available
 from .shape_only import fold_shape_only
 
 log = logging.getLogger("omenn_kernels.compiled")
@@ -290,8 +292,10 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     must too in float32 and float64, and in half precision must give the same logits and a
     complete explanation (see :func:`_mismatch`). A differentiable explanation's compiled
     graph must also give the parameters the fused backend's gradient
-    (:func:`_gradient_mismatch`). Returns ``(_FAILED, None)`` (after one warning naming the
-    cause) where tracing or compiling fails or a check does not hold.
+    (:func:`_gradient_mismatch`). A float32 graph on the CPU is first tried with its
+    convolutions on oneDNN (:mod:`~omenn_kernels.backends.packed_weights`), and traced and
+    compiled again with ATen's where that does not pass. Returns ``(_FAILED, None)`` (after
+    one warning naming the cause) where tracing or compiling fails or a check does not hold.
     """
     differentiable = parameter_gradient is not None
     head = len(_graph_inputs(x, target, {}))
@@ -311,26 +315,47 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
 
     example = _graph_inputs(x, target, trained)
     decompositions = traced_as_aten(x.device, differentiable)
-    start = time.perf_counter()
-    try:
+
+    def traced_and_compiled(pack: bool) -> tuple[torch.fx.GraphModule, Callable | None, tuple | None, str | None,
+                                                 tuple]:
         graph = make_fx(explanation, decomposition_table=decompositions)(*example)
         folded = fold_shape_only(graph, example)
         parameter_derived = hoist_parameter_only(graph)
+        packed = pack_constant_convolutions(graph) if pack else 0
         scale_gradients_not_kernels(graph.graph)
         graph.recompile()
         with torch.no_grad():  # values only: the gradient is checked on the compiled graph
             replayed = graph(*example)
+        counts = (folded, parameter_derived, packed)
+        mismatch = _mismatch(replayed, _detached(expected), x, "traced", exact_order=not decompositions)
+        if mismatch:  # not worth compiling
+            return graph, None, None, mismatch, counts
         compiled = COMPILER(graph, example)
         with torch.set_grad_enabled(differentiable):
             result = tuple(compiled(*example))
-        mismatch = _mismatch(replayed, _detached(expected), x, "traced", exact_order=not decompositions) \
-            or _mismatch(_detached(result), _detached(expected), x, "compiled", exact_order=False) \
+        mismatch = _mismatch(_detached(result), _detached(expected), x, "compiled", exact_order=False) \
             or (_gradient_mismatch(result, expected, list(trained.values()), x) if differentiable else None)
-    except Exception as error:  # any failure of the toolchain falls back, never a wrong map
+        return graph, compiled, result, mismatch, counts
+
+    # oneDNN's convolutions sum in another order than ATen's: where that moves the explanation
+    # beyond the checks' tolerance (a ReLU gate flipped by a rounding), ATen's are kept.
+    pack = x.device.type == "cpu" and x.dtype == torch.float32 and not differentiable and packing_available()
+    start = time.perf_counter()
+    for pack in (True, False) if pack else (False,):
+        try:
+            graph, compiled, result, mismatch, (folded, parameter_derived, packed) = traced_and_compiled(pack)
+            failure = None
+        except Exception as error:  # any failure of the toolchain falls back, never a wrong map
+            failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if pack and (failure or mismatch):
+            log.info("the explanation of %s with oneDNN's convolutions did not pass its checks (%s); compiling "
+                     "it with ATen's", type(model).__name__, failure or mismatch.format(type(model).__name__))
+        elif failure is None:
+            break
+    if failure is not None:
         warnings.warn(f"omenn_kernels: the compiled backend could not compile the explanation of "
-                      f"{type(model).__name__} on an input of shape {tuple(x.shape)} ({type(error).__name__}: "
-                      f"{str(error).splitlines()[0] if str(error) else ''}); this signature runs on the "
-                      "fused backend", RuntimeWarning, stacklevel=5)
+                      f"{type(model).__name__} on an input of shape {tuple(x.shape)} ({failure}); this signature "
+                      "runs on the fused backend", RuntimeWarning, stacklevel=5)
         return _FAILED, None
     if mismatch:
         warnings.warn(f"omenn_kernels: the {mismatch.format(type(model).__name__)}; this signature runs on the "
@@ -338,11 +363,12 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         return _FAILED, None
     seconds = time.perf_counter() - start
     log.info("compiled the explanation of %s for input %s %s and target %s%s in %.1f s (%d aten nodes, "
-             "%d shape-only values folded, %d parameter-only values kept)", type(model).__name__, tuple(x.shape),
+             "%d shape-only values folded, %d parameter-only values kept, %d convolutions with reordered "
+             "kernels)", type(model).__name__, tuple(x.shape),
              x.dtype, _target_kind(target),
              f", differentiable ({parameter_gradient}, {len(trained)} parameter tensors)" if differentiable else "",
              seconds, sum(node.op == "call_function" for node in graph.graph.nodes), folded,
-             len(parameter_derived.values) if parameter_derived is not None else 0)
+             len(parameter_derived.values) if parameter_derived is not None else 0, packed)
     return CompiledExplanation(graph, compiled, seconds, parameter_derived), result
 
 

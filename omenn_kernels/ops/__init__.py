@@ -8,6 +8,8 @@ module                  op (``torch.ops.omenn``)     CPU                        
 ======================  ===========================  ===============================  ==============================
 ``activation``          ``activation`` (R4)          ``csrc/activation.cpp``          ``triton_kernels/activation.py``
 ``conv_bias``           ``conv2d_ones`` (R2)         ``csrc/conv_bias.cpp``           ``triton_kernels/conv_bias.py``
+                                                     (``csrc/conv_packed.cpp`` in
+                                                     compiled graphs)
 ``attention``           ``attention`` (R6)           ATen's flash attention; ``dV``   ``triton_kernels/attention.py``
                                                      over chunks of heads
 ``linear_ones``         ``linear_ones`` (R1)         ``csrc/linear_ones.cpp``         aten products

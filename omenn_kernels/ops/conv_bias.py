@@ -18,7 +18,9 @@ convolution computes the weight's part as a convolution over the batch, which is
 on the CPU), and the ones' gradient through a window sum of the single ones channel.
 
 Kernels: CPU ``csrc/conv_bias.cpp`` (through ``omenn::conv2d_ones_backward_cpu``), CUDA
-``triton_kernels/conv_bias.py``. Reference: the rule's
+``triton_kernels/conv_bias.py``; on the CPU a compiled explanation runs the convolution and its
+input gradient through ``csrc/conv_packed.cpp`` where the kernel is a constant (see
+:mod:`~omenn_kernels.backends.packed_weights`). Reference: the rule's
 :func:`~omenn_kernels.linearize.rules.conv.convolved`.
 """
 
@@ -86,6 +88,30 @@ def input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride
     """:func:`conv2d_input_grad` in aten ops (its implementation, and its trace in a compiled explanation)."""
     return torch.ops.aten.convolution_backward(grad, x, weight, None, stride, padding, dilation, False,
                                                [0, 0], groups, [True, False, False])[0]
+
+
+def _packed_value_like(x, weight, bias, stride, padding, dilation, groups, channels_last):
+    size = [(n + 2 * p - d * (k - 1) - 1) // s + 1
+            for n, k, s, p, d in zip(x.shape[2:], weight.shape[2:], stride, padding, dilation)]
+    return torch.empty(x.shape[0], weight.shape[0], *size, dtype=x.dtype, device=x.device,
+                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+def _packed_input_grad_like(grad, weight, input_size, stride, padding, dilation, groups, channels_last):
+    return torch.empty(grad.shape[0], weight.shape[1] * groups, *input_size, dtype=grad.dtype, device=grad.device,
+                       memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+
+
+# A float32 convolution (with its bias) and its input gradient through oneDNN, each weight
+# reordered into oneDNN's layout once per weight version (csrc/conv_packed.cpp); the output
+# channels-last or contiguous as asked. A compiled explanation on the CPU calls them for the
+# convolutions whose weights it holds constant (:mod:`omenn_kernels.backends.packed_weights`).
+conv2d_packed_cpu = define_cpu_op("conv2d_packed_cpu(Tensor x, Tensor weight, Tensor? bias, int[] stride, "
+                                  "int[] padding, int[] dilation, int groups, bool channels_last) -> Tensor",
+                                  _packed_value_like)
+conv2d_input_grad_packed_cpu = define_cpu_op(
+    "conv2d_input_grad_packed_cpu(Tensor grad, Tensor weight, int[] input_size, int[] stride, int[] padding, "
+    "int[] dilation, int groups, bool channels_last) -> Tensor", _packed_input_grad_like)
 
 
 @torch.library.custom_op("omenn::conv2d_input_grad", mutates_args=())

@@ -228,7 +228,8 @@ def test_a_compilation_is_logged_with_its_time(traced, caplog):
     expected = re.escape(f"compiled the explanation of {type(model).__name__} for input {tuple(x.shape)} "
                          "torch.float64 and target indices in ")
     assert re.fullmatch(expected + r"\d+\.\d s \(\d+ aten nodes, \d+ shape-only values folded, "
-                        r"\d+ parameter-only values kept\)", message), message
+                        r"\d+ parameter-only values kept, \d+ convolutions with reordered kernels\)",
+                        message), message
 
 
 def test_a_failed_compilation_warns_once_and_falls_back(monkeypatch):

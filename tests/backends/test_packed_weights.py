@@ -1,0 +1,145 @@
+"""Convolutions of constant kernels on oneDNN with reordered weights (backends/packed_weights.py).
+
+A float32 CNN's compiled explanation (strides, groups, dilation, a folded BatchNorm, a
+kernel read as the parameter itself, max pooling) against the reference backend, 1e-5
+relative (float32: oneDNN sums in another order), before and after its parameters change in
+every way a training loop changes them; float64 and differentiable graphs keep ATen's.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from omenn_kernels import Explainer, native
+from omenn_kernels.backends import compiled
+from omenn_kernels.backends.packed_weights import packing_available
+from omenn_kernels.testing import randomize_, relative_distance
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN convolutions")
+
+TOLERANCE = 1e-5
+PACKED = {"omenn.conv2d_packed_cpu.default", "omenn.conv2d_input_grad_packed_cpu.default"}
+
+
+class _ConvNet(nn.Module):
+    """Five convolutions of every kind the pass takes: folded into a BatchNorm, strided, grouped,
+    dilated, and one without a norm (its kernel is the parameter itself)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.GELU(),
+            nn.Conv2d(8, 8, 3, padding=1, groups=4), nn.BatchNorm2d(8), nn.SiLU(), nn.MaxPool2d(2),
+            nn.Conv2d(8, 12, 3, padding=2, dilation=2, bias=False), nn.BatchNorm2d(12), nn.GELU(),
+            nn.Conv2d(12, 12, 1), nn.GELU(),
+            nn.Conv2d(12, 6, 3, stride=2, padding=1))
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3)))
+
+
+def _model(dtype: torch.dtype = torch.float32) -> _ConvNet:
+    return randomize_(_ConvNet().to(dtype), seed=5).eval()
+
+
+def _images(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(2, 3, 17, 15, dtype=dtype, generator=torch.Generator().manual_seed(6))
+
+
+def _called(explainer: Explainer, x: torch.Tensor) -> list[str]:
+    program, _ = explainer.program(x)
+    (explanation,) = program.compiled.values()
+    return [str(node.target) for node in explanation.graph.graph.nodes if node.op == "call_function"]
+
+
+def _assert_close(got, want) -> None:
+    for field in ("weight", "bias", "logit"):
+        assert relative_distance(getattr(got, field), getattr(want, field)) <= TOLERANCE, field
+
+
+def _changed_in_every_way(model: _ConvNet) -> None:
+    """An optimizer step, running statistics written in place, a state dict loaded, a rebound ``.data``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train()
+    model(torch.randn(4, 3, 17, 15)).square().mean().backward()
+    optimizer.step()
+    model.eval()
+    state = {name: value + 0.1 * torch.rand_like(value) if value.is_floating_point() else value
+             for name, value in model.state_dict().items()}
+    model.load_state_dict(state)
+    model.features[10].weight.data = model.features[10].weight.data * 1.5
+
+
+@pytest.mark.parametrize("compiler", ["traced", "inductor"])
+def test_every_convolution_and_input_gradient_runs_packed_and_follows_the_parameters(compiler, monkeypatch):
+    if compiler == "traced":
+        monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
+    model, x = _model(), _images()
+    explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="omenn_kernels")  # no fallback to the fused backend
+        for _ in range(2):  # compiled, then replayed
+            _assert_close(explainer(x, 1), reference(x, 1))
+    called = _called(explainer, x)
+    assert called.count("omenn.conv2d_packed_cpu.default") == 5
+    # The 1×1 convolution cuts patches: its input gradient is a matrix product.
+    assert called.count("omenn.conv2d_input_grad_packed_cpu.default") == 4
+    assert not {"aten.convolution.default", "aten.convolution_backward.default"} & set(called)
+    reorders = native.cpu_kernels().packed_weight_reorders
+    before = reorders()
+    explainer(x, 1)
+    assert reorders() == before  # a replay reorders no weight
+    for _ in range(2):
+        _changed_in_every_way(model)
+        _assert_close(explainer(x, 1), reference(x, 1))
+        assert reorders() == before + 9  # every kernel changed: each reordered once per packed op
+        before = reorders()
+
+
+def test_float64_and_differentiable_explanations_keep_atens_convolutions(monkeypatch):
+    """oneDNN has no float64 convolution; a differentiable graph differentiates its convolutions."""
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
+    model, x = _model(torch.float64), _images(torch.float64)
+    explainer = Explainer(model, backend="compiled")
+    for _ in range(2):
+        explainer(x, 1)
+    assert not PACKED & set(_called(explainer, x))
+    model = _model()
+    explainer = Explainer(model, backend="compiled")
+    for _ in range(2):
+        explainer(_images(), 1, create_graph=True).contribution.sum().backward()
+    assert not PACKED & set(_called(explainer, _images()))
+
+
+@pytest.mark.parametrize("fault", ["raises", "wrong map"])
+def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault, monkeypatch, caplog):
+    """Where oneDNN's rounding (here: a forced fault) does not pass the checks against the fused
+    backend, the signature is compiled again with ATen's convolutions, without a warning."""
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
+    pack = compiled.pack_constant_convolutions
+
+    def faulty(graph: torch.fx.GraphModule) -> int:
+        if fault == "raises":
+            raise RuntimeError("no oneDNN here")
+        replaced = pack(graph)
+        for node in graph.graph.nodes:
+            if str(node.target) == "omenn.conv2d_packed_cpu.default":
+                node.update_arg(2, None)  # drop a bias
+        graph.recompile()
+        return replaced
+
+    monkeypatch.setattr(compiled, "pack_constant_convolutions", faulty)
+    model, x = _model(), _images()
+    explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
+    with warnings.catch_warnings(), caplog.at_level("INFO", logger="omenn_kernels.compiled"):
+        warnings.filterwarnings("error", message="omenn_kernels")
+        for _ in range(2):
+            _assert_close(explainer(x, 1), reference(x, 1))
+    assert not PACKED & set(_called(explainer, x))
+    assert "aten.convolution.default" in _called(explainer, x)
+    assert any("with oneDNN's convolutions did not pass its checks" in r.getMessage() for r in caplog.records)
