@@ -95,4 +95,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_weight_reorders", &omenn_cpu::packed_weight_reorders,
         "how many weights the packed convolutions (conv2d_packed_cpu, conv2d_input_grad_packed_cpu) "
         "have reordered into oneDNN's layout in this process");
+  m.def("clear_packed_weights", &omenn_cpu::clear_packed_weights,
+        "drop every reordered weight the packed convolutions keep; returns how many there were");
 }

@@ -134,6 +134,13 @@ int64_t packed_weight_reorders() {
   return reorders;
 }
 
+int64_t clear_packed_weights() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  const auto kept = static_cast<int64_t>(cache.size());
+  cache.clear();
+  return kept;
+}
+
 at::Tensor conv2d_packed(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                          c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,

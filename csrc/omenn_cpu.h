@@ -86,4 +86,8 @@ at::Tensor conv2d_input_grad_packed(const at::Tensor& grad, const at::Tensor& we
 // (a replay of the same weights reorders none).
 int64_t packed_weight_reorders();
 
+// Drops every reordered weight kept (they are reordered again when next used); returns how
+// many there were.
+int64_t clear_packed_weights();
+
 }  // namespace omenn_cpu

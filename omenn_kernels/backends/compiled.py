@@ -13,9 +13,9 @@ from changes (:mod:`~omenn_kernels.backends.parameter_only`), has each folded co
 whose kernel the graph still computes (from trained parameters) read the unfolded kernel in
 its input gradient (:func:`~omenn_kernels.folding.scale_gradients_not_kernels`),
 runs a float32 CPU graph's convolutions of constant kernels on oneDNN with the kernels
-reordered once (:mod:`~omenn_kernels.backends.packed_weights`), and compiles that graph (Inductor; CUDA graphs on CUDA). Most fused ops are traced as
-their aten math, so that Inductor fuses them with their neighbours
-(:func:`~omenn_kernels.ops.traced_as_aten`). Later calls with the same signature run
+reordered once (:mod:`~omenn_kernels.backends.packed_weights`), and compiles that graph
+(Inductor; CUDA graphs on CUDA). Most fused ops are traced as their aten math, so that
+Inductor fuses them with their neighbours (:func:`~omenn_kernels.ops.traced_as_aten`). Later calls with the same signature run
 the compiled graph only: no Python per node, no rule dispatch. Every call of a signature,
 the first included, returns the compiled graph's numbers (the first one's come from its
 check run), so results do not depend on which call compiled: a resumed bulk run equals
@@ -73,7 +73,7 @@ from ..testing import relative_distance
 from . import fused
 from .executor import ParameterGradient
 from .parameter_only import ParameterDerived, hoist_parameter_only
-from .packed_weights import pack_constant_convolutions, packing_available
+from .packed_weights import forget_reordered_kernels, pack_constant_convolutions, packing_available
 from .shape_only import fold_shape_only
 
 log = logging.getLogger("omenn_kernels.compiled")
@@ -350,6 +350,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         if pack and (failure or mismatch):
             log.info("the explanation of %s with oneDNN's convolutions did not pass its checks (%s); compiling "
                      "it with ATen's", type(model).__name__, failure or mismatch.format(type(model).__name__))
+            forget_reordered_kernels()
         elif failure is None:
             break
     if failure is not None:

@@ -24,7 +24,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from ..native import available as native_available
+from ..native import available as native_available, cpu_kernels
 from ..ops.conv_bias import conv2d_input_grad_packed_cpu, conv2d_packed_cpu
 
 aten = torch.ops.aten
@@ -37,6 +37,12 @@ def packing_available() -> bool:
     """Whether this PyTorch has ATen's oneDNN convolutions and the C++ kernels load."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
             and native_available())
+
+
+def forget_reordered_kernels() -> None:
+    """Drop every reordered kernel kept (a graph that will not run keeps none alive; the
+    others are reordered again at their next call)."""
+    cpu_kernels().clear_packed_weights()
 
 
 def pack_constant_convolutions(module: GraphModule) -> int:

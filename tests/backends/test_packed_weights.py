@@ -143,3 +143,4 @@ def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault
     assert not PACKED & set(_called(explainer, x))
     assert "aten.convolution.default" in _called(explainer, x)
     assert any("with oneDNN's convolutions did not pass its checks" in r.getMessage() for r in caplog.records)
+    assert native.cpu_kernels().clear_packed_weights() == 0  # the failed graph's kernels are not kept
