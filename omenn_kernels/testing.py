@@ -4,10 +4,14 @@
 timm and torchvision initialize many of them to 0 or 1, which hides bias-routing
 bugs. ``FAMILIES`` builds a small, randomly initialized model of each supported
 family with its input size; ``FULL_SIZE`` the full-size ImageNet models.
+``change_in_every_way`` changes a model's parameters as training loops and users do, and
+``python_entered`` lists the Python a call runs (none for an op the dispatcher sends
+straight to its C++ kernel).
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -134,3 +138,35 @@ def relative_completeness_error(model: nn.Module, x: torch.Tensor, explanation) 
         expected = logits.gather(1, target.unsqueeze(1)).squeeze(1)
     total = explanation.contribution.flatten(1).sum(1)
     return float(((total - expected).abs() / expected.abs()).max())
+
+
+def change_in_every_way(model: nn.Module, images: torch.Tensor, rebound: nn.Parameter) -> None:
+    """An optimizer step (in train mode, on ``images``), every floating-point entry of the state
+    dict moved and loaded, and ``rebound.data`` replaced by a new tensor; ``model`` ends in
+    eval mode."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.train()
+    model(images).square().mean().backward()
+    optimizer.step()
+    model.eval()
+    state = {name: value + 0.1 * torch.rand_like(value) if value.is_floating_point() else value
+             for name, value in model.state_dict().items()}
+    model.load_state_dict(state)
+    rebound.data = rebound.data * 1.5
+
+
+def python_entered(call: Callable[[], object], where: tuple[str, ...] = ("omenn_kernels", "torch/_library")
+                   ) -> list[str]:
+    """The functions of files whose path holds one of ``where`` that ``call()`` enters."""
+    entered: list[str] = []
+
+    def profiler(frame, event, _arg):
+        if event == "call" and any(part in frame.f_code.co_filename for part in where):
+            entered.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profiler)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return entered

@@ -9,7 +9,6 @@ in float64.
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from omenn_kernels import Explainer, explain, native
 from omenn_kernels.linearize.rules import activation as activation_rules
 from omenn_kernels.linearize.rules import conv as conv_rules
 from omenn_kernels.ops import activation, attention, batch_norm_ones, conv_bias, linear_ones, max_pool
-from omenn_kernels.testing import FAMILIES, randomize_, relative_distance
+from omenn_kernels.testing import FAMILIES, python_entered, randomize_, relative_distance
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -164,26 +163,14 @@ def test_cpu_ops_are_their_cpp_kernels():
     """The ops give the C++ functions' results, pass opcheck, and reach the kernel from the
     dispatcher: a call runs no Python of this package or of torch.library (whose custom ops
     run a Python autograd kernel and a Python wrapper per call)."""
-    calls = _cpu_kernel_calls()
-    entered = []
-
-    def profiler(frame, event, _arg):
-        name = frame.f_code.co_filename
-        if event == "call" and ("omenn_kernels" in name or "torch/_library" in name):
-            entered.append(f"{name}:{frame.f_code.co_name}")
-
-    for op, args, pybind in calls:
+    for op, args, pybind in _cpu_kernel_calls():
         _opcheck(op, args)
         got, want = op(*args), pybind()
         if isinstance(want, tuple):
             assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
         else:
             assert torch.equal(got, want)
-        sys.setprofile(profiler)
-        try:
-            op(*args)
-        finally:
-            sys.setprofile(None)
+        entered = python_entered(lambda: op(*args))
         assert entered == [], f"{op} ran Python per call: {entered}"
 
 

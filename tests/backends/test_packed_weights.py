@@ -17,7 +17,7 @@ import torch.nn as nn
 from omenn_kernels import Explainer, native
 from omenn_kernels.backends import compiled
 from omenn_kernels.backends.packed_weights import packing_available
-from omenn_kernels.testing import randomize_, relative_distance
+from omenn_kernels.testing import change_in_every_way, randomize_, relative_distance
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN convolutions")
 
@@ -62,19 +62,6 @@ def _assert_close(got, want) -> None:
         assert relative_distance(getattr(got, field), getattr(want, field)) <= TOLERANCE, field
 
 
-def _changed_in_every_way(model: _ConvNet) -> None:
-    """An optimizer step, running statistics written in place, a state dict loaded, a rebound ``.data``."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.train()
-    model(torch.randn(4, 3, 17, 15)).square().mean().backward()
-    optimizer.step()
-    model.eval()
-    state = {name: value + 0.1 * torch.rand_like(value) if value.is_floating_point() else value
-             for name, value in model.state_dict().items()}
-    model.load_state_dict(state)
-    model.features[10].weight.data = model.features[10].weight.data * 1.5
-
-
 @pytest.mark.parametrize("compiler", ["traced", "inductor"])
 def test_every_convolution_and_input_gradient_runs_packed_and_follows_the_parameters(compiler, monkeypatch):
     if compiler == "traced":
@@ -95,7 +82,7 @@ def test_every_convolution_and_input_gradient_runs_packed_and_follows_the_parame
     explainer(x, 1)
     assert reorders() == before  # a replay reorders no weight
     for _ in range(2):
-        _changed_in_every_way(model)
+        change_in_every_way(model, torch.randn(4, 3, 17, 15), rebound=model.features[10].weight)
         _assert_close(explainer(x, 1), reference(x, 1))
         assert reorders() == before + 9  # every kernel changed: each reordered once per packed op
         before = reorders()

@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from omenn_kernels import Explainer
 from omenn_kernels.backends import compiled
 from omenn_kernels.backends.parameter_only import hoist_parameter_only
-from omenn_kernels.testing import randomize_, relative_distance
+from omenn_kernels.testing import change_in_every_way, randomize_, relative_distance
 
 aten = torch.ops.aten
 
@@ -147,16 +147,7 @@ class _ConvNet(nn.Module):
 
 
 def _changed_in_every_way(model: _ConvNet) -> None:
-    """An optimizer step, running statistics written in place, a state dict loaded, a rebound ``.data``."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.train()
-    model(torch.randn(4, 3, 8, 8, dtype=torch.float64)).square().mean().backward()
-    optimizer.step()
-    model.eval()
-    state = {name: value + 0.1 * torch.rand_like(value) if value.is_floating_point() else value
-             for name, value in model.state_dict().items()}
-    model.load_state_dict(state)
-    model.features[4].weight.data = model.features[4].weight.data * 1.5
+    change_in_every_way(model, torch.randn(4, 3, 8, 8, dtype=torch.float64), rebound=model.features[4].weight)
 
 
 @pytest.mark.parametrize("compiler", ["traced", "inductor"])

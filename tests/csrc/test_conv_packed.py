@@ -9,7 +9,6 @@ weights against every way a weight changes or is replaced.
 from __future__ import annotations
 
 import gc
-import sys
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import torch
 from omenn_kernels import native
 from omenn_kernels.backends.packed_weights import packing_available
 from omenn_kernels.ops.conv_bias import conv2d_input_grad_packed_cpu, conv2d_packed_cpu
+from omenn_kernels.testing import python_entered
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN convolutions")
 
@@ -123,21 +123,10 @@ def test_packed_ops_pass_opcheck_and_run_no_python():
     grad = torch.randn_like(conv2d_packed_cpu(x, weight, bias, stride, padding, dilation, groups, True))
     calls = [(conv2d_packed_cpu, (x, weight, bias, stride, padding, dilation, groups, True)),
              (conv2d_input_grad_packed_cpu, (grad, weight, [10, 7], stride, padding, dilation, groups, False))]
-    entered = []
-
-    def profiler(frame, event, _arg):
-        if event == "call" and ("omenn_kernels" in frame.f_code.co_filename
-                                or "torch/_library" in frame.f_code.co_filename):
-            entered.append(frame.f_code.co_name)
-
     for op, args in calls:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
         op(*args)
-        sys.setprofile(profiler)
-        try:
-            op(*args)
-        finally:
-            sys.setprofile(None)
+        entered = python_entered(lambda: op(*args))
         assert entered == [], f"{op} ran Python per call: {entered}"
 
 
