@@ -13,8 +13,8 @@ reordered copy of the kernel, which the C++ side keeps until the kernel changes 
 version counter or storage), so that optimizer steps and refreshed folded kernels are seen;
 a replay reorders nothing.
 
-The price is memory: one reordered copy of each such kernel per direction, alive while the
-kernel is.
+The price is memory: one reordered copy of each such kernel per direction, kept until the
+kernel's storage is freed (then dropped at the next packed call).
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ _ALIASES = {aten.detach.default, aten.alias.default}
 
 def packing_available() -> bool:
     """Whether this PyTorch has ATen's oneDNN convolutions and the C++ kernels load."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+    ops = ("_convolution_pointwise", "_convolution_transpose_pointwise", "_reorder_convolution_weight",
+           "_reorder_convolution_transpose_weight")
+    return (torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ops)
             and native_available())
 
 
