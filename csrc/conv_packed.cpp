@@ -39,20 +39,22 @@ std::mutex cache_mutex;
 std::list<Entry> cache;  // most recently used first
 int64_t reorders = 0;    // weights reordered since the process started
 
-// ATen's oneDNN ops, looked up once (they are registered where PyTorch is built with oneDNN).
-const c10::OperatorHandle& reorder_op(bool transposed) {
-  static const c10::OperatorHandle forward = c10::Dispatcher::singleton().findSchemaOrThrow(
-      "mkldnn::_reorder_convolution_weight", "");
-  static const c10::OperatorHandle transpose = c10::Dispatcher::singleton().findSchemaOrThrow(
-      "mkldnn::_reorder_convolution_transpose_weight", "");
-  return transposed ? transpose : forward;
+// ATen's oneDNN ops for one direction (forward, or the input gradient's transposed
+// convolution): the weight's reorder and the convolution.
+struct OneDnnOps {
+  c10::OperatorHandle reorder, convolution;
+};
+
+c10::OperatorHandle find(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
-const c10::OperatorHandle& convolution_op(bool transposed) {
-  static const c10::OperatorHandle forward = c10::Dispatcher::singleton().findSchemaOrThrow(
-      "mkldnn::_convolution_pointwise", "");
-  static const c10::OperatorHandle transpose = c10::Dispatcher::singleton().findSchemaOrThrow(
-      "mkldnn::_convolution_transpose_pointwise", "");
+// Looked up once (they are registered where PyTorch is built with oneDNN).
+const OneDnnOps& onednn_ops(bool transposed) {
+  static const OneDnnOps forward{find("mkldnn::_reorder_convolution_weight"),
+                                 find("mkldnn::_convolution_pointwise")};
+  static const OneDnnOps transpose{find("mkldnn::_reorder_convolution_transpose_weight"),
+                                   find("mkldnn::_convolution_transpose_pointwise")};
   return transposed ? transpose : forward;
 }
 
@@ -85,11 +87,11 @@ at::Tensor packed_weight(const at::Tensor& weight, std::vector<int64_t> key, boo
   auto reorder = [&] {
     const at::Tensor dense = weight.contiguous();
     if (transposed) {
-      return call(reorder_op(true),
+      return call(onednn_ops(true).reorder,
                   {dense, as_vector(padding), as_vector(output_padding), as_vector(stride),
                    as_vector(dilation), groups, as_vector(input_size)});
     }
-    return call(reorder_op(false),
+    return call(onednn_ops(false).reorder,
                 {dense, as_vector(padding), as_vector(stride), as_vector(dilation), groups,
                  as_vector(input_size)});
   };
@@ -154,7 +156,7 @@ at::Tensor conv2d_packed(const at::Tensor& x, const at::Tensor& weight,
                                           dilation, groups, x.sizes());
   c10::IValue b = bias.has_value() && bias->defined() ? c10::IValue(bias->contiguous())
                                                       : c10::IValue();
-  return call(convolution_op(false),
+  return call(onednn_ops(false).convolution,
               {x, packed, b, as_vector(padding), as_vector(stride), as_vector(dilation), groups,
                std::string("none"), c10::List<std::optional<at::Scalar>>(),
                std::optional<std::string>("")})
@@ -184,7 +186,7 @@ at::Tensor conv2d_input_grad_packed(const at::Tensor& grad, const at::Tensor& we
   }
   const at::Tensor packed = packed_weight(weight, std::move(key), true, stride, padding,
                                           output_padding, dilation, groups, grad.sizes());
-  return call(convolution_op(true),
+  return call(onednn_ops(true).convolution,
               {grad, packed, c10::IValue(), as_vector(padding), output_padding, as_vector(stride),
                as_vector(dilation), groups, std::string("none"),
                c10::List<std::optional<at::Scalar>>(), std::optional<std::string>("")})

@@ -15,12 +15,12 @@ its input gradient (:func:`~omenn_kernels.folding.scale_gradients_not_kernels`),
 runs a float32 CPU graph's convolutions of constant kernels on oneDNN with the kernels
 reordered once (:mod:`~omenn_kernels.backends.packed_weights`), and compiles that graph
 (Inductor; CUDA graphs on CUDA). Most fused ops are traced as their aten math, so that
-Inductor fuses them with their neighbours (:func:`~omenn_kernels.ops.traced_as_aten`). Later calls with the same signature run
-the compiled graph only: no Python per node, no rule dispatch. Every call of a signature,
-the first included, returns the compiled graph's numbers (the first one's come from its
-check run), so results do not depend on which call compiled: a resumed bulk run equals
-an uninterrupted one. A program that serves
-several batch sizes (:func:`~omenn_kernels.capture.capture`) is traced and compiled once
+Inductor fuses them with their neighbours (:func:`~omenn_kernels.ops.traced_as_aten`).
+Later calls with the same signature run the compiled graph only: no Python per node, no
+rule dispatch. Every call of a signature, the first included, returns the compiled graph's
+numbers (the first one's come from its check run), so results do not depend on which call
+compiled: a resumed bulk run equals an uninterrupted one. A program that serves several
+batch sizes (:func:`~omenn_kernels.capture.capture`) is traced and compiled once
 per batch size, without capturing or linearizing again.
 
 The model's parameters enter the graph as the tensors themselves, so in-place updates
@@ -339,9 +339,9 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
 
     # oneDNN's convolutions sum in another order than ATen's: where that moves the explanation
     # beyond the checks' tolerance (a ReLU gate flipped by a rounding), ATen's are kept.
-    pack = x.device.type == "cpu" and x.dtype == torch.float32 and not differentiable and packing_available()
+    onednn = x.device.type == "cpu" and x.dtype == torch.float32 and not differentiable and packing_available()
     start = time.perf_counter()
-    for pack in (True, False) if pack else (False,):
+    for pack in (True, False) if onednn else (False,):
         try:
             graph, compiled, result, mismatch, (folded, parameter_derived, packed) = traced_and_compiled(pack)
             failure = None

@@ -146,10 +146,13 @@ def _conv2d_input_grad_grad(ctx, grad_input):
 conv2d_input_grad.register_autograd(_conv2d_input_grad_grad, setup_context=_conv2d_input_grad_setup)
 
 
+def _ones_dtype(grad: torch.Tensor) -> torch.dtype:
+    """The C++ kernel's accumulation (and result) type: float64 for float64 gradients, else float32."""
+    return torch.float64 if grad.dtype == torch.float64 else torch.float32
+
+
 def _ones_gradient_fake(grad, grad_ones, bias, window_sum, input_size, kernel_size, stride, padding, dilation):
-    # The kernel accumulates in float64 for float64 gradients and in float32 otherwise.
-    dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    return grad.new_empty(grad.shape[0], 1, *input_size, dtype=dtype)
+    return grad.new_empty(grad.shape[0], 1, *input_size, dtype=_ones_dtype(grad))
 
 
 _conv2d_ones_backward_cpu = define_cpu_op(
@@ -181,7 +184,7 @@ def ones_gradient_summed_in_aten(grad: torch.Tensor, grad_ones: torch.Tensor, bi
     ``grad`` (in the layout it has), and the C++ op without a bias for the rest, which then never
     reads ``grad`` (no contiguous copy of it)."""
     if bias is not None:
-        dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32  # the C++ kernel's accumulation
+        dtype = _ones_dtype(grad)
         summed = (grad.to(dtype) * bias.to(dtype).view(1, -1, 1, 1)).sum(1, keepdim=True)
         grad_ones = summed + grad_ones.to(dtype)
     return _conv2d_ones_backward_cpu(grad, grad_ones, None, window_sum, input_size, kernel_size, stride, padding,
