@@ -6,8 +6,9 @@ End-to-end groups get each method's median time and peak memory, each also as a
 ratio to input × gradient; target groups (``targets-*``) the median of the shared and
 the separate explanations and their ratio; training groups (``training-*``) each step's
 median and its ratio to the plain step; pipeline groups (``pipeline-*``) each
-variant's images/s as a percentage of the preloaded one; kernel groups the median of
-each variant.
+variant's images/s as a percentage of the preloaded one; interleaved groups
+(``interleaved-*``) the fused and the compiled explanation's medians, timed in turn, and
+their ratio; kernel groups the median of each variant.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ def table(path: str) -> str:
                       for variant, (median, _) in results.items()]
         elif group.startswith("pipeline-"):
             lines += _pipeline_rows(group, results, extra[group])
+        elif group.startswith("interleaved-"):
+            lines += [f"| {group} | fused | compiled | fused ÷ compiled |", "|---|---|---|---|"]
+            lines += [f"| {variant} | {info['fused_median_s'] * 1e3:.1f} ms | {info['compiled_median_s'] * 1e3:.1f} ms "
+                      f"| {info['fused_over_compiled']:.2f} |" for variant, info in extra[group].items()]
         elif base_time is None:
             lines += [f"| {group} | median |", "|---|---|"]
             lines += [f"| {variant} | {median * 1e3:.1f} ms |" for variant, (median, _) in results.items()]

@@ -14,7 +14,8 @@ whose kernel the graph still computes (from trained parameters) read the unfolde
 its input gradient (:func:`~omenn_kernels.folding.scale_gradients_not_kernels`),
 runs a float32 CPU graph's convolutions of constant kernels on oneDNN with the kernels
 reordered once (:mod:`~omenn_kernels.backends.packed_weights`), and compiles that graph
-(Inductor; CUDA graphs on CUDA). Most fused ops are traced as their aten math, so that
+(Inductor; CUDA graphs on CUDA; on the CPU a C++ wrapper around the kernels of a graph of few
+FLOPs, see :func:`inductor`). Most fused ops are traced as their aten math, so that
 Inductor fuses them with their neighbours (:func:`~omenn_kernels.ops.traced_as_aten`).
 Later calls with the same signature run the compiled graph only: no Python per node, no
 rule dispatch. Every call of a signature, the first included, returns the compiled graph's
@@ -53,6 +54,7 @@ backend's).
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import warnings
 from dataclasses import dataclass
@@ -83,8 +85,36 @@ _CONVOLUTIONS_2D = (torch.ops.aten.conv2d.default, torch.ops.aten.conv2d.padding
 Compiler = Callable[[torch.fx.GraphModule, list[torch.Tensor]], Callable]
 
 
+# A first-order CPU graph whose matrix products and convolutions take at most this many FLOPs
+# per thread runs for milliseconds, where the Python wrapper Inductor generates around its
+# kernels (a few microseconds per kernel and extern call) is a visible share of each call:
+# it gets a C++ wrapper instead, whose own compilation adds seconds to a minute once per
+# signature. Larger graphs keep the Python wrapper, whose cost is then negligible.
+CPP_WRAPPER_FLOPS_PER_THREAD = 1e9
+
+
+def matrix_flops(graph: torch.fx.GraphModule) -> int:
+    """The FLOPs of ``graph``'s matrix products and convolutions, from its traced shapes
+    (``torch.utils.flop_counter``'s formulas; the fused ops register theirs)."""
+    from torch.utils.flop_counter import flop_registry
+
+    def value(arg):
+        if isinstance(arg, torch.fx.Node):
+            return operator.attrgetter(arg.target)(graph) if arg.op == "get_attr" else arg.meta["val"]
+        return arg
+
+    total = 0
+    for node in graph.graph.nodes:
+        formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+        if node.op == "call_function" and formula is not None:
+            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), value)
+            total += formula(*args, **kwargs, out_val=node.meta["val"])
+    return total
+
+
 def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callable:
-    """``graph`` compiled by Inductor as one graph; under CUDA graphs where the inputs are on CUDA.
+    """``graph`` compiled by Inductor as one graph; under CUDA graphs where the inputs are on CUDA,
+    with a C++ wrapper where a first-order graph on the CPU is small (``CPP_WRAPPER_FLOPS_PER_THREAD``).
 
     The graph is already one aten graph, so it goes to Inductor directly (no Dynamo: no
     guards to check per call). A first-order explanation is compiled without autograd:
@@ -97,11 +127,24 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
 
     cuda = any(t.is_cuda for t in example)
     differentiable = any(t.requires_grad for t in example)
+    cpp_wrapper = False
+    if not cuda and not differentiable:
+        flops = matrix_flops(graph)
+        cpp_wrapper = flops <= CPP_WRAPPER_FLOPS_PER_THREAD * torch.get_num_threads()
+        log.debug("compiling a graph of %.3g GFLOP with a %s wrapper", flops / 1e9, "C++" if cpp_wrapper else "Python")
+    if cpp_wrapper:
+        # Inductor's C++ wrapper takes its example inputs from the placeholders' traced values,
+        # which make_fx leaves in a fake mode each and Inductor will not mix: it takes the
+        # real inputs instead.
+        for node in graph.graph.nodes:
+            if node.op == "placeholder":
+                node.meta.pop("val", None)
     with torch.set_grad_enabled(differentiable):
         # On the CPU, Inductor's channels-last layout for convolutions copies every kernel and
         # activation it converts, at a cost in time and memory; it keeps the layout it is given.
         return compile_fx(graph, example, config_patches={"triton.cudagraphs": cuda and not differentiable,
-                                                          "layout_optimization": cuda})
+                                                          "layout_optimization": cuda,
+                                                          "cpp_wrapper": cpp_wrapper})
 
 
 @dataclass(frozen=True)

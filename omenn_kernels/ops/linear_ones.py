@@ -17,10 +17,12 @@ explanation calls without the Python of this op. Reference: the rule's ``_linear
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 
 from ..native import available, define_cpu_op
 
@@ -64,6 +66,13 @@ def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias:
 linear_ones.register_fake(_value_and_ones_like)
 
 
+
+# FLOPs for torch.utils.flop_counter: the forward's product over every output feature, the
+# input gradient's over the receiving ones.
+@register_flop_formula([torch.ops.omenn.linear_ones, torch.ops.omenn.linear_ones_cpu])
+def _linear_ones_flops(x_shape, _ones, w_shape, *_args, out_shape, **_kwargs) -> int:
+    return 2 * math.prod(x_shape) * w_shape[0]
+
 def _linear_ones_setup(ctx, inputs, output) -> None:
     _x, ones, weight, bias, ctx.start, ctx.stop = inputs
     ctx.ones_shape = ones.shape
@@ -91,6 +100,11 @@ def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, start: int, stop
 def _linear_input_grad_fake(grad, weight, start, stop):
     return grad.new_empty(*grad.shape[:-1], weight.shape[1])
 
+
+
+@register_flop_formula(torch.ops.omenn.linear_input_grad)
+def _linear_input_grad_flops(grad_shape, w_shape, start, stop, *, out_shape, **_kwargs) -> int:
+    return 2 * math.prod(grad_shape[:-1]) * (stop - start) * w_shape[1]
 
 def _linear_input_grad_setup(ctx, inputs, output) -> None:
     grad, weight, ctx.start, ctx.stop = inputs

@@ -438,9 +438,13 @@ def test_channels_last_images_stay_channels_last_through_max_pooling(name, trace
     assert inputs and all(value.is_contiguous(memory_format=torch.channels_last) for value in inputs)
 
 
-def test_inductor_compiles_the_explanation_and_follows_parameter_updates():
-    """One real Inductor compilation (C++ on the CPU): equal to the reference, and an in-place
-    parameter update (an optimizer step) is seen by the compiled explanation."""
+@pytest.mark.parametrize("wrapper", ["C++", "Python"])
+def test_inductor_compiles_the_explanation_and_follows_parameter_updates(wrapper, monkeypatch):
+    """Real Inductor compilations (C++ kernels on the CPU): equal to the reference, and an in-place
+    parameter update (an optimizer step) is seen by the compiled explanation. A graph of few
+    FLOPs gets a C++ wrapper, a larger one (here: the bound lowered below it) Python's."""
+    if wrapper == "Python":
+        monkeypatch.setattr(compiled, "CPP_WRAPPER_FLOPS_PER_THREAD", 0)
     torch.manual_seed(6)
     model = randomize_(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(),
                                            torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5)), seed=6).eval()
@@ -455,7 +459,9 @@ def test_inductor_compiles_the_explanation_and_follows_parameter_updates():
                 parameter.add_(0.1 * torch.randn_like(parameter))
         _assert_equal_explanations(explainer(x, 2), reference(x, 2), torch.float32)
     program, _ = explainer.program(x)
-    assert not isinstance(next(iter(program.compiled.values())).run, torch.fx.GraphModule)
+    run = next(iter(program.compiled.values())).run
+    assert not isinstance(run, torch.fx.GraphModule)
+    assert ("inductor_entry" in run.source_code) == (wrapper == "C++")  # the C++ wrapper's entry point
 
 
 def test_a_readout_function_is_compiled_with_its_arguments_as_inputs(traced, monkeypatch):
