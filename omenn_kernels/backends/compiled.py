@@ -114,7 +114,8 @@ def matrix_flops(graph: torch.fx.GraphModule) -> int:
 
 def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callable:
     """``graph`` compiled by Inductor as one graph; under CUDA graphs where the inputs are on CUDA,
-    with a C++ wrapper where a first-order graph on the CPU is small (``CPP_WRAPPER_FLOPS_PER_THREAD``).
+    with a C++ wrapper where a first-order graph on the CPU is small (``CPP_WRAPPER_FLOPS_PER_THREAD``;
+    where that fails, with the Python wrapper, logged at INFO).
 
     The graph is already one aten graph, so it goes to Inductor directly (no Dynamo: no
     guards to check per call). A first-order explanation is compiled without autograd:
@@ -132,6 +133,15 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
         flops = matrix_flops(graph)
         cpp_wrapper = flops <= CPP_WRAPPER_FLOPS_PER_THREAD * torch.get_num_threads()
         log.debug("compiling a graph of %.3g GFLOP with a %s wrapper", flops / 1e9, "C++" if cpp_wrapper else "Python")
+
+    def compile_with(cpp_wrapper: bool) -> Callable:
+        with torch.set_grad_enabled(differentiable):
+            # On the CPU, Inductor's channels-last layout for convolutions copies every kernel and
+            # activation it converts, at a cost in time and memory; it keeps the layout it is given.
+            return compile_fx(graph, example, config_patches={"triton.cudagraphs": cuda and not differentiable,
+                                                              "layout_optimization": cuda,
+                                                              "cpp_wrapper": cpp_wrapper})
+
     if cpp_wrapper:
         # Inductor's C++ wrapper takes its example inputs from the placeholders' traced values,
         # which make_fx leaves in a fake mode each and Inductor will not mix: it takes the
@@ -139,12 +149,12 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
         for node in graph.graph.nodes:
             if node.op == "placeholder":
                 node.meta.pop("val", None)
-    with torch.set_grad_enabled(differentiable):
-        # On the CPU, Inductor's channels-last layout for convolutions copies every kernel and
-        # activation it converts, at a cost in time and memory; it keeps the layout it is given.
-        return compile_fx(graph, example, config_patches={"triton.cudagraphs": cuda and not differentiable,
-                                                          "layout_optimization": cuda,
-                                                          "cpp_wrapper": cpp_wrapper})
+        try:
+            return compile_with(cpp_wrapper=True)
+        except Exception as error:  # the C++ wrapper only saves time: what it cannot compile, Python's may
+            log.info("Inductor's C++ wrapper did not compile the explanation (%s: %s); compiling it with the "
+                     "Python wrapper", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+    return compile_with(cpp_wrapper=False)
 
 
 @dataclass(frozen=True)

@@ -464,6 +464,28 @@ def test_inductor_compiles_the_explanation_and_follows_parameter_updates(wrapper
     assert ("inductor_entry" in run.source_code) == (wrapper == "C++")  # the C++ wrapper's entry point
 
 
+def test_a_graph_the_cpp_wrapper_cannot_compile_gets_the_python_wrapper_without_a_warning(monkeypatch, caplog):
+    import torch._inductor.compile_fx as inductor_entry
+
+    real = inductor_entry.compile_fx
+
+    def without_cpp_wrapper(graph, example, config_patches=None, **kwargs):
+        if (config_patches or {}).get("cpp_wrapper"):
+            raise RuntimeError("no C++ wrapper here")
+        return real(graph, example, config_patches=config_patches, **kwargs)
+    monkeypatch.setattr(inductor_entry, "compile_fx", without_cpp_wrapper)
+    model, x = _model("cnn", torch.float32)
+    explainer = Explainer(model, backend="compiled")
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="omenn_kernels.compiled"):
+        warnings.filterwarnings("error", message="omenn_kernels")  # a fallback to the fused backend would warn
+        explainer(x, 1)
+        _assert_equal_explanations(explainer(x, 1), Explainer(model, backend="reference")(x, 1), torch.float32)
+    assert "C++ wrapper did not compile the explanation (RuntimeError: no C++ wrapper here)" in caplog.text
+    program, _ = explainer.program(x)
+    run = next(iter(program.compiled.values())).run
+    assert "def call(" in run.source_code and "inductor_entry" not in run.source_code  # the Python wrapper
+
+
 def test_a_readout_function_is_compiled_with_its_arguments_as_inputs(traced, monkeypatch):
     """A :class:`ReadoutFunction` (the bulk runner's targets: predicted, labels, contrasts) is
     traced into the graph; new argument values are read at every call, not baked in."""
