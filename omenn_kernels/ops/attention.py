@@ -179,7 +179,6 @@ def attention_backward_dv(q: torch.Tensor, k: torch.Tensor, grad: torch.Tensor, 
     return _attention_backward_dv_cpu(q, k, grad, lse, bias, scale)
 
 
-
 # FLOPs for torch.utils.flop_counter: the scores ``QKᵀ`` and ``P·V``; the backward recomputes
 # the scores and multiplies ``Pᵀ·grad``.
 @register_flop_formula([torch.ops.omenn.attention, torch.ops.omenn.attention_cpu])
@@ -190,6 +189,7 @@ def _attention_flops(q_shape, k_shape, v_shape, *_args, out_shape, **_kwargs) ->
 @register_flop_formula([torch.ops.omenn.attention_backward_dv, torch.ops.omenn.attention_backward_dv_cpu])
 def _attention_backward_dv_flops(q_shape, k_shape, grad_shape, *_args, out_shape, **_kwargs) -> int:
     return 2 * math.prod(q_shape[:-1]) * k_shape[-2] * (q_shape[-1] + grad_shape[-1])
+
 
 def _attention_setup(ctx, inputs, output) -> None:
     q, k, _v, bias, ctx.scale = inputs

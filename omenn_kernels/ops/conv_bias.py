@@ -115,7 +115,6 @@ conv2d_input_grad_packed_cpu = define_cpu_op(
     "int[] dilation, int groups, bool channels_last) -> Tensor", _packed_input_grad_like)
 
 
-
 # FLOPs for torch.utils.flop_counter (and the compiled backend's choice of wrapper): the
 # convolution's products; an input gradient costs those of the convolution whose output
 # has the gradient's shape. The ones' backward is elementwise.
@@ -133,6 +132,7 @@ def _conv2d_packed_flops(x_shape, w_shape, *_args, out_shape, **_kwargs) -> int:
 def _conv2d_input_grad_packed_flops(grad_shape, w_shape, *_args, out_shape, **_kwargs) -> int:
     return conv_flop_count(grad_shape, w_shape, grad_shape)
 
+
 @torch.library.custom_op("omenn::conv2d_input_grad", mutates_args=())
 def conv2d_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride: list[int],
                       padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
@@ -145,10 +145,10 @@ def _conv2d_input_grad_fake(grad, x, weight, stride, padding, dilation, groups):
     return torch.empty_like(x)
 
 
-
 @register_flop_formula(torch.ops.omenn.conv2d_input_grad)
 def _conv2d_input_grad_flops(grad_shape, _x_shape, w_shape, *_args, out_shape, **_kwargs) -> int:
     return conv_flop_count(grad_shape, w_shape, grad_shape)
+
 
 def _conv2d_input_grad_setup(ctx, inputs, output) -> None:
     grad, _x, weight, ctx.stride, ctx.padding, ctx.dilation, ctx.groups = inputs

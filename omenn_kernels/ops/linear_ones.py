@@ -66,12 +66,12 @@ def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias:
 linear_ones.register_fake(_value_and_ones_like)
 
 
-
 # FLOPs for torch.utils.flop_counter: the forward's product over every output feature, the
 # input gradient's over the receiving ones.
 @register_flop_formula([torch.ops.omenn.linear_ones, torch.ops.omenn.linear_ones_cpu])
 def _linear_ones_flops(x_shape, _ones, w_shape, *_args, out_shape, **_kwargs) -> int:
     return 2 * math.prod(x_shape) * w_shape[0]
+
 
 def _linear_ones_setup(ctx, inputs, output) -> None:
     _x, ones, weight, bias, ctx.start, ctx.stop = inputs
@@ -101,10 +101,10 @@ def _linear_input_grad_fake(grad, weight, start, stop):
     return grad.new_empty(*grad.shape[:-1], weight.shape[1])
 
 
-
 @register_flop_formula(torch.ops.omenn.linear_input_grad)
 def _linear_input_grad_flops(grad_shape, w_shape, start, stop, *, out_shape, **_kwargs) -> int:
     return 2 * math.prod(grad_shape[:-1]) * (stop - start) * w_shape[1]
+
 
 def _linear_input_grad_setup(ctx, inputs, output) -> None:
     grad, weight, ctx.start, ctx.stop = inputs
