@@ -69,3 +69,9 @@ class ImageDecodeError(OmennError, ValueError):
 
 class OptionError(OmennError, ValueError):
     """A run option (device, dtype, batch size, ...) that is not valid."""
+
+
+def first_line(error: BaseException) -> str:
+    """``error`` as one line for a message: its type and the first line of its text."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else repr(error)}"

@@ -64,6 +64,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..capture import CAPTURE_LOCK, bound_tensors
+from ..errors import first_line
 from ..folding import scale_gradients_not_kernels
 from ..linearize.program import LinearizedProgram
 from ..linearize.registry import arguments
@@ -152,8 +153,8 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
         try:
             return compile_with(cpp_wrapper=True)
         except Exception as error:  # the C++ wrapper only saves time: what it cannot compile, Python's may
-            log.info("Inductor's C++ wrapper did not compile the explanation (%s: %s); compiling it with the "
-                     "Python wrapper", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+            log.info("Inductor's C++ wrapper did not compile the explanation (%s); compiling it with the "
+                     "Python wrapper", first_line(error))
     return compile_with(cpp_wrapper=False)
 
 
@@ -399,7 +400,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
             graph, compiled, result, mismatch, (folded, parameter_derived, packed) = traced_and_compiled(pack)
             failure = None
         except Exception as error:  # any failure of the toolchain falls back, never a wrong map
-            failure = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            failure = first_line(error)
         if pack and (failure or mismatch):
             log.info("the explanation of %s with oneDNN's convolutions did not pass its checks (%s); compiling "
                      "it with ATen's", type(model).__name__, failure or mismatch.format(type(model).__name__))

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, first_line
 
 # How many names an error lists before it says how many more there are.
 _NAMES_SHOWN = 4
@@ -39,11 +39,6 @@ def _listing(names: list[str]) -> str:
     return shown if len(names) <= _NAMES_SHOWN else f"{shown}, … ({len(names) - _NAMES_SHOWN} more)"
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else repr(error)}"
-
-
 def _looks_like_safetensors(leading: bytes, size: int) -> bool:
     """A safetensors file starts with its JSON header's length (8 bytes, little-endian) and then ``{``."""
     return len(leading) >= 9 and 0 < int.from_bytes(leading[:8], "little") <= size - 8 and leading[8:9] == b"{"
@@ -57,7 +52,7 @@ def _read_safetensors(path: Path) -> dict:
         return load_file(str(path), device="cpu")
     except SafetensorError as error:
         raise ModelLoadError(f"{path} is not a readable safetensors file (truncated or corrupt?): "
-                             f"{_first_line(error)}") from error
+                             f"{first_line(error)}") from error
 
 
 def _read_torch_file(path: Path) -> object:
@@ -76,10 +71,10 @@ def _read_torch_file(path: Path) -> object:
         if refused:
             raise ModelLoadError(f"{path} holds pickled objects that a weights-only load refuses "
                                  f"({_listing(refused)}); save a state_dict of tensors instead") from error
-        raise ModelLoadError(f"{path} is not a weights file torch.load can read: {_first_line(error)}") from error
+        raise ModelLoadError(f"{path} is not a weights file torch.load can read: {first_line(error)}") from error
     except Exception as error:  # torch.load reports a damaged archive with many exception types
         raise ModelLoadError(f"{path} is a damaged torch.save file (truncated or corrupt?): "
-                             f"{_first_line(error)}") from error
+                             f"{first_line(error)}") from error
 
 
 def _unwrapped(checkpoint: object, path: Path) -> dict[str, torch.Tensor]:
@@ -183,4 +178,4 @@ def load_weights(model: nn.Module, path: str | Path, *, model_name: str, heads: 
     try:
         model.load_state_dict(state_dict, strict=True)
     except RuntimeError as error:  # names and shapes fit: what is left is the file's own content
-        raise ModelLoadError(f"{path} cannot be loaded into {model_name}: {_first_line(error)}") from error
+        raise ModelLoadError(f"{path} cannot be loaded into {model_name}: {first_line(error)}") from error
