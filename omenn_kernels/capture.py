@@ -30,6 +30,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import free_symbols
 from torch.utils._sympy.numbers import int_oo
 from torch.nn.modules import module as module_internals
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.module_tracker import ModuleTracker
 
 from .errors import CaptureError, InputError, OutputError
 from .folding import fold_batch_norms
@@ -182,7 +184,8 @@ def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelecto
         OutputError: ``output`` picks no tensor from the model's output.
         CaptureError: the forward cannot be exported, takes other inputs, or mutates buffers.
     """
-    with CAPTURE_LOCK:
+    # The caller's dispatch modes (a FlopCounterMode, say) see none of the tracing's fake ops.
+    with CAPTURE_LOCK, _disable_current_modes():
         try:
             with eval_semantics(model):
                 program = _export(_SelectedOutput(model, output), example)
@@ -211,7 +214,7 @@ def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelecto
     if not hasattr(outputs[0].arg, "name"):
         raise CaptureError("the model's output is not a tensor computed by its forward")
     if fold_batch_norm:
-        with CAPTURE_LOCK:  # the folded nodes' shapes are traced in export's fake mode
+        with CAPTURE_LOCK, _disable_current_modes():  # the folded nodes' shapes are traced in export's fake mode
             folded = fold_batch_norms(program.graph, user_inputs[0].arg.name)
         if folded:
             log.debug("%s: %d BatchNorms folded into convolutions", type(model).__name__, folded)
@@ -295,9 +298,12 @@ def reference_parameter(model: torch.nn.Module) -> torch.Tensor | None:
 
 
 def _global_hook_ids() -> tuple[tuple, tuple]:
-    """The handle ids of the forward (pre-)hooks registered for every module of the process."""
-    return (tuple(getattr(module_internals, "_global_forward_pre_hooks", ())),
-            tuple(getattr(module_internals, "_global_forward_hooks", ())))
+    """The handle ids of the forward (pre-)hooks registered for every module of the process, but
+    for torch's module trackers (``FlopCounterMode``'s, for one), which record which module runs
+    and change no value."""
+    return tuple(tuple(handle for handle, hook in getattr(module_internals, table, {}).items()
+                       if not isinstance(getattr(hook, "__self__", None), ModuleTracker))
+                 for table in ("_global_forward_pre_hooks", "_global_forward_hooks"))
 
 
 def _structure_key(model: torch.nn.Module) -> list:

@@ -98,3 +98,20 @@ def test_the_traced_graphs_flops_read_from_its_shapes_equal_a_counted_run(name, 
     with torch.no_grad():
         counted = _flops(lambda: graph(*example))
     assert compiled.matrix_flops(graph) == counted > 0
+
+
+@pytest.mark.parametrize("create_graph", [False, True], ids=["first_order", "differentiable"])
+def test_an_explanation_under_flop_counter_mode_counts_its_own_products_only(create_graph):
+    """``FlopCounterMode`` registers global module hooks (its module tracker, which changes no
+    value) and counts what runs under it: the explainer neither captures the model again for
+    those hooks nor lets the mode count the capture's trace (fake tensors of a symbolic batch).
+    The counted call that captures and the later ones count the same FLOPs."""
+    family = FAMILIES["cnn"]
+    model = randomize_(family.build()).eval()
+    x = torch.randn(2, 3, family.size, family.size)
+    explainer = Explainer(model, backend="fused")
+    first = _flops(lambda: explainer(x, 1, create_graph=create_graph))  # captures under the mode
+    (program, _), = explainer._programs.values()
+    again = _flops(lambda: explainer(x, 1, create_graph=create_graph))
+    assert isinstance(first, int) and first == again > 0
+    assert [entry[0] for entry in explainer._programs.values()] == [program]
