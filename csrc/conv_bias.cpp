@@ -17,6 +17,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mv.h>
 
 #include <algorithm>
 #include <vector>
@@ -172,6 +173,14 @@ at::Tensor bias_share(const at::Tensor& grad, const std::optional<at::Tensor>& b
   if (has_gout) check_position_map(where, "grad_ones_out", *grad_ones_out, B, Ho, Wo);
 
   const auto acc = ones_dtype(grad.scalar_type());
+  if (has_bias && !grad.is_contiguous() && grad.is_contiguous(at::MemoryFormat::ChannelsLast)) {
+    // Channels-last memory holds one row of C channels per position: Σ_c grad_c·b_c is one
+    // matrix-vector product over the (B·Ho·Wo, C) rows, read in place.
+    at::Tensor summed =
+        at::mv(grad.permute({0, 2, 3, 1}).reshape({B * Ho * Wo, C}).to(acc), bias->to(acc));
+    if (has_gout) summed.add_(grad_ones_out->to(acc).reshape({-1}));
+    return bias_share(grad, std::nullopt, summed.view({B, Ho, Wo}), S);
+  }
   // grad is read only for a bias: a bias-free call does not copy a strided grad either.
   at::Tensor g = grad, bc;
   if (has_bias) {

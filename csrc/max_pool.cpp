@@ -1,5 +1,6 @@
-// R13' max pooling: the flat arg-max of each window over the spatial dims, channels-first,
-// as F.max_pool{1,2,3}d(..., return_indices=True) returns it.
+// R13' max pooling: the flat arg-max of each window over the spatial dims, as
+// F.max_pool{1,2,3}d(..., return_indices=True) returns it, in x's layout (channels-last for
+// channels-last images).
 //
 // ATen's pooling, the same calls as the op's Python kernel (omenn_kernels/ops/max_pool.py,
 // indices), so the indices are equal. What the C++ kernel saves is the Python of a call,
@@ -31,11 +32,15 @@ at::Tensor max_pool_indices(const at::Tensor& x, at::IntArrayRef kernel, at::Int
         .contiguous();
   }
   if (spatial == 2) {
+    // Indices in x's layout: channels-last for a channels-last x (not also contiguous).
+    const auto layout = !x.is_contiguous() && x.is_contiguous(at::MemoryFormat::ChannelsLast)
+                            ? at::MemoryFormat::ChannelsLast
+                            : at::MemoryFormat::Contiguous;
     const at::Tensor input =
         x.size(1) >= kChannelsLastFrom ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
     return std::get<1>(
                at::max_pool2d_with_indices(input, kernel, stride, padding, dilation, ceil_mode))
-        .contiguous();
+        .contiguous(layout);
   }
   return std::get<1>(at::max_pool3d_with_indices(x, kernel, stride, padding, dilation, ceil_mode))
       .contiguous();

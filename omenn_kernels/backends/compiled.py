@@ -67,21 +67,18 @@ from ..capture import CAPTURE_LOCK, bound_tensors
 from ..errors import first_line
 from ..folding import scale_gradients_not_kernels
 from ..linearize.program import LinearizedProgram
-from ..linearize.registry import arguments
-from ..linearize.values import channels_last as _channels_last
-from ..ops.conv_bias import cuts_patches
 from ..ops import traced_as_aten
 from ..readout import ReadoutFunction
 from ..testing import relative_distance
 from . import fused
 from .executor import ParameterGradient
+from .layout import in_layout_of, runs_channels_last
 from .parameter_only import ParameterDerived, hoist_parameter_only
 from .packed_weights import forget_reordered_kernels, pack_constant_convolutions, packing_available
 from .shape_only import fold_shape_only
 
 log = logging.getLogger("omenn_kernels.compiled")
 
-_CONVOLUTIONS_2D = (torch.ops.aten.conv2d.default, torch.ops.aten.conv2d.padding)
 
 Compiler = Callable[[torch.fx.GraphModule, list[torch.Tensor]], Callable]
 
@@ -175,30 +172,10 @@ COMPILER: Compiler = inductor
 MAX_COMPILED = 8
 
 
-def _has_windowed_convolutions(program: LinearizedProgram) -> bool:
-    """Whether the captured model has a 2-D convolution whose windows overlap or have gaps
-    (a CNN's), not only one that cuts the image into patches (a ViT's patch embedding)."""
-    for step in program.steps:
-        if step.node.op == "call_function" and step.node.target in _CONVOLUTIONS_2D:
-            x, weight, _, stride, padding, dilation, groups = arguments(step.node.target, step.node.args,
-                                                                        step.node.kwargs)
-            if not cuts_patches(x.meta["val"], weight.meta["val"].shape, stride, padding, dilation, groups):
-                return True
-    return False
-
-
-def _runs_channels_last(program: LinearizedProgram, x: torch.Tensor) -> bool:
-    """Whether the graph for the images ``x`` takes them channels-last: where they come so, and
-    on the CPU where the model is a CNN whose input has its channels at dim 1 (ATen's CPU
-    convolutions are faster in that layout, and their outputs keep it); else contiguous."""
-    if program.channels_last is None:
-        program.channels_last = program.feature_dim == 1 and _has_windowed_convolutions(program)
-    return _channels_last(x) or (x.device.type == "cpu" and x.dim() == 4 and program.channels_last)
-
-
 def _laid_out(x: torch.Tensor, target, channels_last: bool) -> tuple[torch.Tensor, object]:
     """The images and the target in the layouts their graph is compiled for (a compiled graph
-    assumes its inputs' strides): the images as :func:`_runs_channels_last` decided, the
+    assumes its inputs' strides): the images as
+    :func:`~omenn_kernels.backends.layout.runs_channels_last` decided, the
     target's tensors contiguous."""
     x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if isinstance(target, ReadoutFunction):
@@ -209,7 +186,8 @@ def _laid_out(x: torch.Tensor, target, channels_last: bool) -> tuple[torch.Tenso
 def _signature(x: torch.Tensor, channels_last: bool, target, parameter_gradient: ParameterGradient | None,
                trained: dict[str, torch.Tensor]) -> tuple:
     """What a compiled explanation is specialized on: the input's shape (a program may serve
-    several batch sizes) and layout (see :func:`_runs_channels_last`), the target's kind and shape (a
+    several batch sizes) and layout (see :func:`~omenn_kernels.backends.layout.runs_channels_last`),
+    the target's kind and shape (a
     read-out function: the function object and its arguments' shapes), autocast (the trace
     records its casts), and for a differentiable explanation the parameter gradient's kind and
     the parameters it takes."""
@@ -271,7 +249,7 @@ def replays(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     """Whether :func:`explain_batch` of these arguments only runs a graph compiled earlier."""
     if not _compilable(target):
         return False
-    compiled = program.compiled.get(_signature(x, _runs_channels_last(program, x), target, parameter_gradient,
+    compiled = program.compiled.get(_signature(x, runs_channels_last(program, x), target, parameter_gradient,
                                                _trained(program, model, parameter_gradient)))
     return compiled is not None and compiled is not _FAILED
 
@@ -282,7 +260,7 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     if not _compilable(target):
         return fused.explain_batch(program, model, x, target, parameter_gradient)
     given = x
-    channels_last = _runs_channels_last(program, x)
+    channels_last = runs_channels_last(program, x)
     x, target = _laid_out(x, target, channels_last)
     trained = _trained(program, model, parameter_gradient)
     key = _signature(x, channels_last, target, parameter_gradient, trained)
@@ -293,10 +271,10 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
             compiled, outputs = _compiled(program, model, x, target, parameter_gradient, trained, expected)
             _keep(program, key, compiled)
         outputs = expected if compiled is _FAILED else _owned(outputs, x, parameter_gradient)
-        return _in_layout_of(given, channels_last, outputs)
+        return in_layout_of(given, channels_last, outputs)
     _keep(program, key, compiled)
     if compiled is _FAILED:
-        return _in_layout_of(given, channels_last, fused.explain_batch(program, model, x, target, parameter_gradient))
+        return in_layout_of(given, channels_last, fused.explain_batch(program, model, x, target, parameter_gradient))
     # The graph calls the fused rules' custom ops: not while another thread exports (CAPTURE_LOCK).
     # A first-order graph holds the backward already and its parameters need none; a
     # differentiable one records its compiled backward for the caller's loss.
@@ -304,7 +282,7 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
         if compiled.parameter_derived is not None:
             compiled.parameter_derived.refresh()
         outputs = compiled.run(*_graph_inputs(x, target, trained))
-    return _in_layout_of(given, channels_last, _owned(outputs, x, parameter_gradient))
+    return in_layout_of(given, channels_last, _owned(outputs, x, parameter_gradient))
 
 
 def _owned(outputs, x: torch.Tensor, parameter_gradient: ParameterGradient | None) -> tuple[torch.Tensor, ...]:
@@ -312,15 +290,6 @@ def _owned(outputs, x: torch.Tensor, parameter_gradient: ParameterGradient | Non
     outputs into the same buffers, so copies, which outlive the next run."""
     return tuple(output.clone() for output in outputs) if x.is_cuda and parameter_gradient is None \
         else tuple(outputs)
-
-
-def _in_layout_of(given: torch.Tensor, channels_last: bool,
-                  outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """``outputs`` with ``C_w`` contiguous where the images ran channels-last and were ``given`` otherwise."""
-    if not channels_last or _channels_last(given):
-        return tuple(outputs)
-    weight, *rest = outputs
-    return (weight.contiguous(), *rest)
 
 
 def _keep(program: LinearizedProgram, key: tuple, compiled: CompiledExplanation | object) -> None:

@@ -22,6 +22,7 @@ import torch
 from ..capture import CAPTURE_LOCK
 from ..linearize.program import Kind, LinearizedProgram
 from .executor import ParameterGradient, explain_with
+from .layout import in_layout_of, runs_channels_last
 
 
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
@@ -35,10 +36,16 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     functions whose backward is not the derivative of their forward, which a trace
     records without its backward; see :mod:`~omenn_kernels.backends.compiled`).
 
+    A CNN's images run channels-last on the CPU, ``C_w`` comes back in their layout
+    (:mod:`~omenn_kernels.backends.layout`).
+
     Runs under :data:`~omenn_kernels.capture.CAPTURE_LOCK`: not while another thread exports.
     """
+    ran_channels_last = runs_channels_last(program, x)
+    laid_out = x.contiguous(memory_format=torch.channels_last) if ran_channels_last else x
     with CAPTURE_LOCK:
-        return _explain_batch(program, model, x, target, parameter_gradient, held_forward)
+        outputs = _explain_batch(program, model, laid_out, target, parameter_gradient, held_forward)
+    return in_layout_of(x, ran_channels_last, outputs)
 
 
 def _explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,

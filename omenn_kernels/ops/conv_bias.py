@@ -9,7 +9,8 @@ convolution does no work for its own bias: its ones' backward reads ``dŌ`` alon
 
 Cost of the ones' backward: one read of ``dy`` (C·Ho·Wo per image) and one write of
 H·W values, against the reference's full-shape product ``b·Ō``, its gradient and a
-window-sum convolution.
+window-sum convolution. A channels-last ``dy`` holds one row of channels per position:
+its sum over channels is one matrix-vector product over those rows, read in place.
 
 For explanations differentiable with respect to the parameters the backward
 differentiates again: the input gradient through ``omenn::conv2d_input_grad``, whose own
@@ -33,6 +34,7 @@ import torch.nn.functional as F
 from torch.library import triton_op
 from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
+from ..linearize.values import channels_last
 from ..native import define_cpu_op
 
 
@@ -229,14 +231,22 @@ def _conv2d_ones_backward_grad(ctx, grad_ones_in):
     gathered = F.conv2d(grad_ones_in, window, None, ctx.stride, ctx.padding, ctx.dilation)
     empty = window_sum == 0
     share = torch.where(empty, 0.0, gathered / torch.where(empty, 1.0, window_sum)).to(grad.dtype)
+    # In channels-last memory a position's channels are one row: (N·H·W, C) is a view.
+    rows = channels_last(grad)
     grad_grad = None
     if ctx.needs_input_grad[0] and bias is not None:
-        grad_grad = share * bias.to(grad.dtype).view(1, -1, 1, 1)
+        if rows:  # laid out as grad, so that it adds to grad's other gradients without a copy
+            grad_grad = (share.permute(0, 2, 3, 1) * bias.to(grad.dtype)).permute(0, 3, 1, 2)
+        else:
+            grad_grad = share * bias.to(grad.dtype).view(1, -1, 1, 1)
     grad_grad_ones = share.sum_to_size(ctx.grad_ones_shape) if ctx.needs_input_grad[1] else None
     grad_bias = None
-    if ctx.needs_input_grad[2]:  # Σ share·grad per channel as a batched product, as BatchNorm's shift
-        per_channel = torch.matmul(grad.flatten(2), share.flatten(2).transpose(1, 2))
-        grad_bias = per_channel.sum((0, 2)).to(bias.dtype)
+    if ctx.needs_input_grad[2]:  # Σ share·grad per channel as a product, as BatchNorm's shift
+        if rows:
+            grad_bias = torch.mv(grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1]).t(), share.flatten())
+        else:
+            grad_bias = torch.matmul(grad.flatten(2), share.flatten(2).transpose(1, 2)).sum((0, 2))
+        grad_bias = grad_bias.to(bias.dtype)
     return grad_grad, grad_grad_ones, grad_bias, None, None, None, None, None, None
 
 

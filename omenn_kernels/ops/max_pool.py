@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..linearize.values import channels_last
 from ..native import define_cpu_op
 
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -26,14 +27,15 @@ _CHANNELS_LAST_FROM = 16  # channels; with fewer (an RGB image) the copy costs m
 
 def indices(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int],
             ceil_mode: bool) -> torch.Tensor:
-    """:func:`max_pool_indices` (its implementation and its fake): channels-first indices."""
+    """:func:`max_pool_indices` (its implementation and its fake): indices in ``x``'s layout
+    (channels-last for channels-last images, whose gathers read rows of channels)."""
+    layout = torch.channels_last if channels_last(x) else torch.contiguous_format
     if x.device.type == "cpu" and x.dim() == 4 and x.shape[1] >= _CHANNELS_LAST_FROM:
         # ATen's CPU max pooling vectorizes over channels only in channels-last memory, where it
         # is faster, copy included, with the same arg-max (the first).
         x = x.contiguous(memory_format=torch.channels_last)
-    # Channels-first indices: gathers and scatters with channels-last ones are slower.
     return _MAX_POOL[x.dim() - 2](x, kernel, stride or None, padding, dilation, ceil_mode,
-                                  return_indices=True)[1].contiguous()
+                                  return_indices=True)[1].contiguous(memory_format=layout)
 
 
 # Defined through torch.library's plain registration (no autograd layer, no checks per call):
@@ -44,7 +46,8 @@ _LIBRARY.define("max_pool_indices(Tensor x, int[] kernel, int[] stride, int[] pa
 _LIBRARY.impl("max_pool_indices", indices, "CompositeExplicitAutograd")
 torch.library.register_fake("omenn::max_pool_indices", indices, lib=_LIBRARY)
 # The flat arg-max of each window over the spatial dims of x (N, C, *spatial), as
-# F.max_pool{1,2,3}d(..., return_indices=True) returns it (an empty stride: the kernel's).
+# F.max_pool{1,2,3}d(..., return_indices=True) returns it (an empty stride: the kernel's), in
+# x's memory layout.
 max_pool_indices = torch.ops.omenn.max_pool_indices.default
 
 # The same indices from C++ (csrc/max_pool.cpp); a compiled explanation on the CPU calls it.

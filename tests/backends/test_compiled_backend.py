@@ -428,9 +428,9 @@ def test_images_run_channels_last_only_where_their_channels_are_at_dim_one(trace
 
 @pytest.mark.parametrize("name", ["cnn", "resnet", "vgg"])
 def test_channels_last_images_stay_channels_last_through_max_pooling(name, traced):
-    """Max pooling reads the value at each window's arg-max with a gather, whose result is
-    contiguous; it is laid out channels-last again, as ATen's pooling keeps it, so that every
-    convolution of a CNN's compiled graph reads channels-last activations."""
+    """Max pooling reads the value at each window's arg-max with a gather over rows of channels,
+    whose result is channels-last, as ATen's pooling keeps it, so that every convolution of a
+    CNN's compiled graph reads channels-last activations."""
     _, graph = _compiled_graph(name)
     nodes = list(graph.nodes)
     assert any("max_pool_indices" in str(node.target) for node in nodes)

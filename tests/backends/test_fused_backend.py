@@ -16,6 +16,7 @@ import torch
 from omenn_kernels import Explainer, explain, native
 from omenn_kernels.linearize.rules import activation as activation_rules
 from omenn_kernels.linearize.rules import conv as conv_rules
+from omenn_kernels.linearize.values import channels_last
 from omenn_kernels.ops import activation, attention, batch_norm_ones, conv_bias, linear_ones, max_pool
 from omenn_kernels.testing import FAMILIES, python_entered, randomize_, relative_distance
 
@@ -61,6 +62,49 @@ def test_fused_under_autocast_follows_the_reference(name, dtype):
         reference, fused = _both(model, x, 1)
     assert relative_distance(fused.contribution.float(), reference.contribution.float()) <= 2e-2
     assert relative_distance(fused.logit.float(), reference.logit.float()) <= 2e-2
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("create_graph", [False, True], ids=["first_order", "differentiable"])
+def test_a_cnn_explains_channels_last_on_the_cpu(memory_format, create_graph):
+    """ATen's CPU convolutions run faster on channels-last activations, and so does a CNN's fused
+    explanation: its convolutions read channels-last values (and, first-order, so do their input
+    gradients; a differentiable explanation's reference rules, here GELU's, lay their gradients out
+    as autograd's formulas do), no activation is copied to change its layout (only the images
+    are, and ``C_w`` back), and ``C_w`` comes back in the images' layout. A ViT, whose
+    convolution cuts patches, keeps contiguous images contiguous."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.convolved, self.input_grads, self.copied = [], [], []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.omenn.conv2d_ones.default:
+                self.convolved.append(args[0])
+            if func is torch.ops.omenn.conv2d_input_grad.default:
+                self.input_grads.append(args[0])
+            if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):
+                self.copied.append(args[0].shape)
+            return func(*args, **(kwargs or {}))
+
+    for name, runs_channels_last in (("cnn", True), ("vit", False)):
+        if not runs_channels_last and memory_format == torch.channels_last:
+            continue  # channels-last images given to a ViT are taken as they come
+        family = FAMILIES[name]
+        model = randomize_(family.build()).eval()
+        x = torch.randn(2, 3, family.size, family.size).contiguous(memory_format=memory_format)
+        explainer = Explainer(model, backend="fused")
+        explainer(x, 1)
+        with Seen() as seen:
+            explanation = explainer(x, 1, create_graph=create_graph)
+        assert explanation.weight.stride() == x.stride()
+        read = seen.convolved + ([] if create_graph else seen.input_grads)
+        assert len(seen.convolved) >= (3 if runs_channels_last else 1)
+        assert all(channels_last(t) is runs_channels_last for t in read if t.shape[1] > 1), name
+        if runs_channels_last:  # the images, C_w and the ones' window sums (one channel)
+            assert all(shape[1] <= 3 for shape in seen.copied if len(shape) == 4), seen.copied
 
 
 def test_auto_backend_is_the_fused_one_on_the_cpu():
@@ -280,6 +324,34 @@ def test_conv2d_ones_gradients_equal_the_reference_rule(patchify, with_bias):
     torch.testing.assert_close(dones, eones, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "bias_free"])
+def test_conv2d_ones_differentiates_twice_alike_in_both_layouts(with_bias):
+    """Channels-last images take other paths in the ones' backward (the sum over channels as
+    one product over rows of channels) and in its derivative (the bias's gradient, the
+    output gradient's gradient laid out as it): the same second derivatives as contiguous
+    ones, float64 to 1e-12, and gradients in the layout of what they are gradients of."""
+    x, ones, window_sum, weight, bias, stride, padding, dilation, groups = _conv_inputs(torch.float64)
+    weight.requires_grad_(True)
+    bias = bias.requires_grad_(True) if with_bias else None
+    results = []
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        laid_out = x.detach().contiguous(memory_format=memory_format).requires_grad_(True)
+        value, ones_out = conv_bias.conv2d_ones(laid_out, ones, window_sum, weight, bias, stride, padding,
+                                                dilation, groups)
+        torch.manual_seed(1)  # the same values in both layouts (randn_like fills memory in order)
+        grad = torch.randn(value.shape, dtype=value.dtype).contiguous(memory_format=memory_format).requires_grad_(True)
+        grad_ones = torch.randn(ones_out.shape, dtype=ones_out.dtype)
+        dx, dones = torch.autograd.grad([value, ones_out], [laid_out, ones], [grad, grad_ones], create_graph=True)
+        assert dx.stride() == laid_out.stride()
+        differentiated = [grad, weight] + ([bias] if with_bias else [])
+        second = torch.autograd.grad((dx * torch.cos(laid_out)).sum() + (dones * torch.sin(ones)).sum(),
+                                     differentiated)
+        assert second[0].stride() == grad.stride()
+        results.append([dx, dones, *second])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_bias_free_conv2d_ones_backward_reads_no_output_gradient(monkeypatch):
     """A bias-free convolution does no work for its bias: its ones' gradient comes from the
     ones' own gradient alone (a NaN output gradient leaves it finite and exact), and the
@@ -310,14 +382,19 @@ def test_bias_free_conv2d_ones_backward_reads_no_output_gradient(monkeypatch):
     ((1, 4, 5, 6, 7), [2, 2, 2], [2, 1, 2], [1, 0, 1], [1, 1, 1], False),  # 3-D
 ], ids=["2d_channels_last", "2d_rgb_ceil", "1d", "3d"])
 def test_max_pool_indices_are_the_poolings(shape, kernel, stride, padding, dilation, ceil_mode):
-    """The arg-max of ATen's pooling, channels-first; ties (a quantized input) at the first maximum."""
+    """The arg-max of ATen's pooling, in the input's layout (channels-first for a contiguous input,
+    channels-last for a channels-last one), from Python and from C++; ties (a quantized input) at
+    the first maximum."""
     x = torch.randn(*shape).mul(2).round()
-    got = max_pool.max_pool_indices(x, kernel, stride, padding, dilation, ceil_mode)
     pool = {3: torch.nn.functional.max_pool1d, 4: torch.nn.functional.max_pool2d,
             5: torch.nn.functional.max_pool3d}[x.dim()]
     want = pool(x, kernel, stride or None, padding, dilation, ceil_mode, return_indices=True)[1]
-    assert got.is_contiguous() and torch.equal(got, want)
-    _opcheck(torch.ops.omenn.max_pool_indices.default, (x, kernel, stride, padding, dilation, ceil_mode))
+    layouts = [x] + ([x.contiguous(memory_format=torch.channels_last)] if x.dim() == 4 else [])
+    for given, layout in zip(layouts, [torch.contiguous_format, torch.channels_last]):
+        for op in (max_pool.max_pool_indices, max_pool.max_pool_indices_cpu):
+            got = op(given, kernel, stride, padding, dilation, ceil_mode)
+            assert torch.equal(got, want) and got.is_contiguous(memory_format=layout), (op, layout, got.stride())
+        _opcheck(torch.ops.omenn.max_pool_indices.default, (given, kernel, stride, padding, dilation, ceil_mode))
 
 
 def _attention_inputs(with_bias: bool):

@@ -337,7 +337,7 @@ def test_conv_bias_parts_and_non_contiguous_inputs(ext, case, dtype):
     fused = call_backward(ext, grad, bias, gout, S, case)
     torch.testing.assert_close(fused, spread, rtol=0, atol=0)
     # Non-contiguous views of the same values give the same bits.
-    grad_nc = grad.contiguous(memory_format=torch.channels_last)
+    grad_nc = torch.cat([grad, torch.full_like(grad, float("nan"))], 3)[..., : grad.shape[3]]
     bias_nc = torch.stack([bias, torch.full_like(bias, float("nan"))], 1)[:, 0]
     S_nc = S.transpose(2, 3).contiguous().transpose(2, 3)
     gout_nc = torch.cat([gout, torch.full_like(gout, float("nan"))], 3)[..., : gout.shape[3]]
@@ -347,6 +347,11 @@ def test_conv_bias_parts_and_non_contiguous_inputs(ext, case, dtype):
                                rtol=0, atol=0)
     share_nc = share.transpose(1, 2).contiguous().transpose(1, 2)
     torch.testing.assert_close(ext.spread_bias_share(share_nc, *geometry), spread, rtol=0, atol=0)
+    # Channels-last memory: the sum over channels as one matrix-vector product over rows of
+    # channels, read in place (another order of the same sums).
+    grad_cl = grad.contiguous(memory_format=torch.channels_last)
+    assert_close_scaled(ext.bias_share(grad_cl, bias, gout, S), share.double(), conv_tolerance(dtype))
+    assert_close_scaled(call_backward(ext, grad_cl, bias, gout, S, case), fused.double(), conv_tolerance(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -235,7 +235,12 @@ def test_shared_ones_at_argmax_differentiates_twice():
     generator = torch.Generator().manual_seed(21)
     shared = torch.rand(2, 1, 12, dtype=DT, generator=generator, requires_grad=True)
     indices = torch.randint(0, 12, (2, 5, 4), generator=generator)  # channels pick the same pixels too
-    assert torch.autograd.gradcheck(lambda s: _SharedAtArgMax.apply(s, indices), (shared,))
-    assert torch.autograd.gradgradcheck(lambda s: _SharedAtArgMax.apply(s, indices), (shared,))
-    expected = shared.detach().expand(2, 5, 12).gather(-1, indices)
-    torch.testing.assert_close(_SharedAtArgMax.apply(shared, indices), expected, rtol=0, atol=0)
+    # Positions last (N, C, L), and positions first with the channels inner (N, L, C), as in
+    # channels-last memory.
+    for shared, indices, dim in ((shared, indices, -1), (shared.detach().mT.requires_grad_(True), indices.mT, 1)):
+        assert torch.autograd.gradcheck(lambda s: _SharedAtArgMax.apply(s, indices, dim), (shared,))
+        assert torch.autograd.gradgradcheck(lambda s: _SharedAtArgMax.apply(s, indices, dim), (shared,))
+        expected = shared.detach().expand(indices.shape[0], *(12 if d == dim % 3 else n
+                                                              for d, n in enumerate(indices.shape) if d)).gather(dim,
+                                                                                                            indices)
+        torch.testing.assert_close(_SharedAtArgMax.apply(shared, indices, dim), expected, rtol=0, atol=0)

@@ -37,7 +37,8 @@ def _pooled(op, *args, **kwargs):
 
 
 class _SharedAtArgMax(torch.autograd.Function):
-    """Ones shared by the channels, (N, 1, L), read at every channel's arg-max, (N, C, Lo).
+    """Ones shared by the channels, (N, 1, L), read at every channel's arg-max, (N, C, Lo),
+    along ``dim`` -1; or (N, L, 1) read into (N, Lo, C) along ``dim`` 1 (channels-last memory).
 
     The backward adds each channel's gradient straight into the shared ones, where a
     gather from the expanded ones would scatter into a zero tensor of every channel and
@@ -45,32 +46,52 @@ class _SharedAtArgMax(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, shared: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, shared: torch.Tensor, indices: torch.Tensor, dim: int) -> torch.Tensor:
         ctx.save_for_backward(indices)
-        ctx.length = shared.shape[-1]
-        return shared.expand(indices.shape[0], indices.shape[1], shared.shape[-1]).gather(-1, indices)
+        ctx.shape, ctx.dim = shared.shape, dim
+        size = list(indices.shape)
+        size[dim] = shared.shape[dim]
+        return shared.expand(size).gather(dim, indices)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (indices,) = ctx.saved_tensors
-        return _AddedAtArgMax.apply(grad, indices, ctx.length), None
+        return _AddedAtArgMax.apply(grad, indices, ctx.shape, ctx.dim), None, None
 
 
 class _AddedAtArgMax(torch.autograd.Function):
     """The backward of :class:`_SharedAtArgMax`, itself differentiable (its backward is the gather)."""
 
     @staticmethod
-    def forward(ctx, grad: torch.Tensor, indices: torch.Tensor, length: int) -> torch.Tensor:
+    def forward(ctx, grad: torch.Tensor, indices: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
         ctx.save_for_backward(indices)
+        ctx.dim = dim
         batch = grad.shape[0]
-        shared = grad.new_zeros(batch, length)
+        shared = grad.new_zeros(batch, shape[dim])
         shared.scatter_add_(1, indices.reshape(batch, -1), grad.reshape(batch, -1))
-        return shared.view(batch, 1, length)
+        return shared.view(shape)
 
     @staticmethod
-    def backward(ctx, grad_shared: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad_shared: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (indices,) = ctx.saved_tensors
-        return _SharedAtArgMax.apply(grad_shared, indices), None, None
+        return _SharedAtArgMax.apply(grad_shared, indices, ctx.dim), None, None, None
+
+
+def _positions_last(t: torch.Tensor) -> torch.Tensor:
+    """(N, C, *spatial) as (N, C, L)."""
+    return t.flatten(2)
+
+
+def _channels_inner(t: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) as (N, H·W, C): a view of a channels-last tensor."""
+    return t.permute(0, 2, 3, 1).flatten(1, 2)
+
+
+def _unflattened(t: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
+    """The inverse of :func:`_positions_last` (``dim`` -1) or :func:`_channels_inner` (``dim`` 1)."""
+    if dim == -1:
+        return t.view(shape)
+    return t.view(shape[0], *shape[2:], shape[1]).permute(0, 3, 1, 2)
 
 
 def _max_pool(op, *args, **kwargs):
@@ -79,9 +100,11 @@ def _max_pool(op, *args, **kwargs):
 
     The value is gathered rather than taken from the pooling itself: a pooling's backward
     reads its input, so a differentiated backward (``create_graph``) would send zeros into
-    the whole forward before it, and run every backward there again on them. A gather's
-    result is contiguous; a channels-last input's is made channels-last again, as ATen's
-    pooling keeps it, so that the layers after the pooling run in the layout before it.
+    the whole forward before it, and run every backward there again on them. A
+    channels-last value is gathered as (N, H·W, C) rows of its memory, with channels-last
+    indices, so that the result and the gradients of the backward stay channels-last without
+    a copy, as ATen's pooling keeps them: the layers after the pooling run in the layout
+    before it.
     """
     x, kernel, stride, padding, dilation, ceil_mode = arguments(op, args, kwargs)
     ones_from_values(x.ones)  # the arg-max decides which ones are read
@@ -89,15 +112,16 @@ def _max_pool(op, *args, **kwargs):
     # An empty stride is the kernel's (aten's default), passed on as it is.
     indices = max_pool_indices(x.value.detach(), pair(kernel, spatial), pair(stride, spatial) if stride else [],
                                pair(padding, spatial), pair(dilation, spatial), bool(ceil_mode))
-    flat = indices.flatten(-spatial)
-    value = x.value.flatten(-spatial).gather(-1, flat).view(indices.shape)
+    # Positions along one dim: (N, C, L) channels-first, (N, L, C) channels-last (views of both).
+    positions, dim = (_positions_last, -1) if not channels_last(x.value) else (_channels_inner, 1)
+    flat = positions(indices)
+    value = positions(x.value).gather(dim, flat)
     if x.ones.dim() == x.value.dim() == 4 and x.ones.shape[1] == 1 and x.value.shape[1] > 1:
-        shared = x.ones.expand(x.value.shape[0], 1, *x.value.shape[2:]).flatten(-spatial)
-        ones = _SharedAtArgMax.apply(shared, flat).view(indices.shape)
+        shared = positions(x.ones.expand(x.value.shape[0], 1, *x.value.shape[2:]))
+        ones = _SharedAtArgMax.apply(shared, flat, dim)
     else:
-        ones = full_ones(x).flatten(-spatial).gather(-1, flat).view(indices.shape)
-    if channels_last(x.value):
-        value, ones = (t.contiguous(memory_format=torch.channels_last) for t in (value, ones))
+        ones = positions(full_ones(x)).gather(dim, flat)
+    value, ones = (_unflattened(t, indices.shape, dim) for t in (value, ones))
     if op in (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default):
         return Live(value, ones), indices
     return Live(value, ones)
