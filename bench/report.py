@@ -8,7 +8,10 @@ the separate explanations and their ratio; training groups (``training-*``) each
 median and its ratio to the plain step; pipeline groups (``pipeline-*``) each
 variant's images/s as a percentage of the preloaded one; interleaved groups
 (``interleaved-*``) the fused and the compiled explanation's medians, timed in turn, and
-their ratio; kernel groups the median of each variant.
+their ratio; training steps timed in turn (``training-in-turn-*``) each step's median, its
+ratio to the plain step, its FLOPs' ratio to the plain step's (the least time ratio at the
+plain step's FLOP rate) and the first ratio over the second; kernel groups the median of
+each variant.
 """
 
 from __future__ import annotations
@@ -43,6 +46,18 @@ def _pipeline_rows(group: str, results: dict[str, tuple[float, int | None]],
     return rows
 
 
+def _in_turn_rows(group: str, extra: dict[str, dict]) -> list[str]:
+    """Training steps timed in turn: each step's median and ratios to the plain step's time and FLOPs."""
+    rows = [f"| {group} | median | ÷ plain step | GFLOP | ÷ plain step's | time ÷ FLOP ratio |",
+            "|---|---|---|---|---|---|"]
+    for info in extra.values():
+        for variant, median in info["median_s"].items():
+            time_ratio, flop_ratio = info["over_plain"][variant], info["flops_over_plain"][variant]
+            rows.append(f"| {variant} | {median * 1e3:.1f} ms | {time_ratio:.2f} | {info['flops'][variant] / 1e9:.1f} "
+                        f"| {flop_ratio:.2f} | {time_ratio / flop_ratio:.2f} |")
+    return rows
+
+
 def table(path: str) -> str:
     data = json.load(open(path))
     machine = data["machine_info"]
@@ -65,6 +80,8 @@ def table(path: str) -> str:
             lines += [f"| {group} | median | ÷ shared |", "|---|---|---|"]
             lines += [f"| {variant} | {median * 1e3:.1f} ms | {median / shared:.2f} |"
                       for variant, (median, _) in results.items()]
+        elif group.startswith("training-in-turn-"):
+            lines += _in_turn_rows(group, extra[group])
         elif group.startswith("training-") and "plain" in results:
             plain = results["plain"][0]
             lines += [f"| {group} | median | ÷ plain step |", "|---|---|---|"]
@@ -97,7 +114,9 @@ def training_across(paths: list[str]) -> str:
     for path in paths:
         medians: dict[str, dict[str, float]] = defaultdict(dict)
         for bench in json.load(open(path))["benchmarks"]:
-            if bench["group"].startswith("training-"):
+            if bench["group"].startswith("training-in-turn-"):  # the steps' medians of one round-robin
+                medians[bench["group"]].update(bench["extra_info"]["median_s"])
+            elif bench["group"].startswith("training-"):
                 medians[bench["group"]][_variant(bench["name"], bench["group"])] = bench["stats"]["median"]
         for group, results in medians.items():
             plains[group].append(results["plain"])

@@ -20,6 +20,13 @@ parts training images (96×96) with their labels. Workloads:
   step adds ``attribution_distillation(student, teacher, x, labels)`` and takes the
   teacher's logits from its explanation's forward.
 
+``test_training_steps_in_turn`` times the plain step and the four steps of the default
+backend in turn, one after the other in each round, so that each ratio to the plain step
+compares steps timed within seconds of each other; it also counts each step's FLOPs
+(``FlopCounterMode``: matrix products and convolutions, the explanation's fused ops
+included), whose ratio to the plain step's is the least time ratio a step running at the
+plain step's FLOP rate can reach.
+
 Variants: ``plain``; ``total`` (the default total parameter gradient); ``fixed`` (the
 ``fixed_multipliers`` surrogate, whose logits are detached, so the task loss needs the
 model's own forward); ``total_stored`` and ``fixed_stored``: the same with the
@@ -37,6 +44,8 @@ from __future__ import annotations
 
 import copy
 import datetime
+import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,6 +53,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from pytest_benchmark.fixture import BenchmarkFixture
+from torch.utils.flop_counter import FlopCounterMode
 
 from omenn_kernels.evaluation.parts_dataset import PartsDataset
 from omenn_kernels import explain
@@ -174,3 +184,36 @@ def test_training_step(benchmark: BenchmarkFixture, batch: Batch, workload: str,
                                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_model(),
                                 torch=torch.__version__, date=datetime.date.today().isoformat())
     benchmark.pedantic(timed, rounds=10, warmup_rounds=1)
+
+
+IN_TURN = ["plain", "total", "fixed", "total_stored", "fixed_stored"]
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_training_steps_in_turn(benchmark: BenchmarkFixture, batch: Batch, workload: str) -> None:
+    steps = {variant: WORKLOADS[workload](variant, batch) for variant in IN_TURN}
+    flops = {}
+    for variant, step in steps.items():
+        step()  # warm-up: capture, first allocations
+        with FlopCounterMode(display=False) as counter:
+            step()
+        flops[variant] = counter.get_total_flops()
+    seconds: dict[str, list[float]] = {variant: [] for variant in steps}
+
+    def round_of_steps() -> None:
+        for variant, step in steps.items():
+            start = time.perf_counter()
+            step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            seconds[variant].append(time.perf_counter() - start)
+
+    benchmark.group = f"training-in-turn-{workload}"
+    benchmark.pedantic(round_of_steps, rounds=10, iterations=1, warmup_rounds=1)
+    medians = {variant: statistics.median(times[1:]) for variant, times in seconds.items()}  # not the warm-up
+    benchmark.extra_info.update(
+        workload=workload, batch=BATCH, torch=torch.__version__, date=datetime.date.today().isoformat(),
+        device=torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_model(),
+        median_s=medians, flops=flops,
+        over_plain={variant: medians[variant] / medians["plain"] for variant in steps},
+        flops_over_plain={variant: flops[variant] / flops["plain"] for variant in steps})

@@ -115,3 +115,22 @@ def test_an_explanation_under_flop_counter_mode_counts_its_own_products_only(cre
     again = _flops(lambda: explainer(x, 1, create_graph=create_graph))
     assert isinstance(first, int) and first == again > 0
     assert [entry[0] for entry in explainer._programs.values()] == [program]
+
+
+def test_the_cpu_flash_attention_of_a_model_is_counted_like_its_math():
+    """torch has no formula for its CPU flash attention; the library registers CUDA flash
+    attention's: the forward counts the products of the math path (``QKᵀ``, ``P·V``), the
+    backward those of its backward plus the recomputed scores."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(2, 3, 17, 8, requires_grad=True) for _ in range(3))
+    counted = {}
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+        with sdpa_kernel(backend):
+            forward = _flops(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            backward = _flops(lambda: out.backward(torch.randn_like(out)))
+        counted[backend] = forward, backward
+    scores = 2 * 2 * 3 * 17 * 17 * 8  # one product of (B, H, T, T) with head size 8
+    assert counted[SDPBackend.MATH] == (2 * scores, 4 * scores)
+    assert counted[SDPBackend.FLASH_ATTENTION] == (2 * scores, 5 * scores)

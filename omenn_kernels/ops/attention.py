@@ -21,7 +21,8 @@ from typing import Iterator, Optional
 
 import torch
 from torch.library import triton_op
-from torch.utils.flop_counter import register_flop_formula
+from torch.utils.flop_counter import (flop_registry, register_flop_formula, sdpa_backward_flop_count,
+                                      sdpa_flop_count)
 
 CHUNK_BYTES = 1 << 20
 """On the CPU, ``P`` is recomputed for as many heads at a time as fit in about this many
@@ -189,6 +190,21 @@ def _attention_flops(q_shape, k_shape, v_shape, *_args, out_shape, **_kwargs) ->
 @register_flop_formula([torch.ops.omenn.attention_backward_dv, torch.ops.omenn.attention_backward_dv_cpu])
 def _attention_backward_dv_flops(q_shape, k_shape, grad_shape, *_args, out_shape, **_kwargs) -> int:
     return 2 * math.prod(q_shape[:-1]) * k_shape[-2] * (q_shape[-1] + grad_shape[-1])
+
+
+# torch counts no FLOPs for its own CPU flash attention (the model's attention, and a plain
+# training step's, on the CPU): the same formulas as for its CUDA flash attention, so that
+# FlopCounterMode compares an explanation with the model's own forward and backward.
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+if _CPU_FLASH not in flop_registry:
+    @register_flop_formula(_CPU_FLASH)
+    def _cpu_flash_flops(q_shape, k_shape, v_shape, *_args, out_shape, **_kwargs) -> int:
+        return sdpa_flop_count(q_shape, k_shape, v_shape)
+if _CPU_FLASH_BACKWARD not in flop_registry:
+    @register_flop_formula(_CPU_FLASH_BACKWARD)
+    def _cpu_flash_backward_flops(grad_shape, q_shape, k_shape, v_shape, *_args, out_shape, **_kwargs) -> int:
+        return sdpa_backward_flop_count(grad_shape, q_shape, k_shape, v_shape)
 
 
 def _attention_setup(ctx, inputs, output) -> None:
