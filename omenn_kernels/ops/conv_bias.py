@@ -161,6 +161,11 @@ def _conv2d_input_grad_grad(ctx, grad_input):
     """``convᵀ(g, W)`` is linear in ``g`` and ``W``: its backward is the convolution of the
     incoming gradient (for ``g``) and the weight gradient of that convolution (for ``W``)."""
     grad, weight = ctx.saved_tensors
+    if channels_last(grad) != channels_last(grad_input):
+        # Laid out as grad (a channels-last explanation's images' gradient comes back contiguous):
+        # oneDNN's weight gradient of two layouts reorders both, which costs far more than this copy.
+        grad_input = grad_input.contiguous(memory_format=torch.channels_last if channels_last(grad)
+                                           else torch.contiguous_format)
     grad_grad = grad_weight = None
     if ctx.needs_input_grad[0]:
         grad_grad = F.conv2d(grad_input, weight, None, ctx.stride, ctx.padding, ctx.dilation, ctx.groups)

@@ -71,16 +71,20 @@ def test_a_cnn_explains_channels_last_on_the_cpu(memory_format, create_graph):
     explanation: its convolutions read channels-last values (and, first-order, so do their input
     gradients; a differentiable explanation's reference rules, here GELU's, lay their gradients out
     as autograd's formulas do), no activation is copied to change its layout (only the images
-    are, and ``C_w`` back), and ``C_w`` comes back in the images' layout. A ViT, whose
+    are, and ``C_w`` back), and ``C_w`` comes back in the images' layout; the parameters'
+    gradient of a loss on the explanation computes each weight gradient from two tensors of
+    the same layout (oneDNN reorders mixed ones, at many times the cost). A ViT, whose
     convolution cuts patches, keeps contiguous images contiguous."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Seen(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.convolved, self.input_grads, self.copied = [], [], []
+            self.convolved, self.input_grads, self.copied, self.weight_grads = [], [], [], []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.convolution_backward.default and args[1].shape[1] > 1:
+                self.weight_grads.append((channels_last(args[0]), channels_last(args[1])))
             if func is torch.ops.omenn.conv2d_ones.default:
                 self.convolved.append(args[0])
             if func is torch.ops.omenn.conv2d_input_grad.default:
@@ -105,6 +109,11 @@ def test_a_cnn_explains_channels_last_on_the_cpu(memory_format, create_graph):
         assert all(channels_last(t) is runs_channels_last for t in read if t.shape[1] > 1), name
         if runs_channels_last:  # the images, C_w and the ones' window sums (one channel)
             assert all(shape[1] <= 3 for shape in seen.copied if len(shape) == 4), seen.copied
+        if create_graph:  # the parameters' gradient: the convolutions' weight gradients read one layout
+            with Seen() as seen:
+                explanation.contribution.square().sum().backward()
+            assert seen.weight_grads and all(output == input for output, input in seen.weight_grads)
+            assert (True, True) in seen.weight_grads if runs_channels_last else (True, True) not in seen.weight_grads
 
 
 def test_auto_backend_is_the_fused_one_on_the_cpu():
