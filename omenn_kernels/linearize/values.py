@@ -57,6 +57,12 @@ def channels_last(t: torch.Tensor) -> bool:
     return t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
 
 
+def channel_rows(t: torch.Tensor) -> torch.Tensor:
+    """Images (N, C, H, W) as (N, H·W, C): one row of channels per position, a view of
+    channels-last memory (a copy of other layouts)."""
+    return t.permute(0, 2, 3, 1).flatten(1, 2)
+
+
 def plain(obj: Any) -> Any:
     """The numeric value of ``obj`` with Live/Gate unwrapped (recursively in lists/tuples).
 

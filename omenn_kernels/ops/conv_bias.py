@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch.library import triton_op
 from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
-from ..linearize.values import channels_last
+from ..linearize.values import channel_rows, channels_last
 from ..native import define_cpu_op
 
 
@@ -161,11 +161,11 @@ def _conv2d_input_grad_grad(ctx, grad_input):
     """``convᵀ(g, W)`` is linear in ``g`` and ``W``: its backward is the convolution of the
     incoming gradient (for ``g``) and the weight gradient of that convolution (for ``W``)."""
     grad, weight = ctx.saved_tensors
-    if channels_last(grad) != channels_last(grad_input):
+    rows = channels_last(grad)
+    if rows != channels_last(grad_input):
         # Laid out as grad (a channels-last explanation's images' gradient comes back contiguous):
         # oneDNN's weight gradient of two layouts reorders both, which costs far more than this copy.
-        grad_input = grad_input.contiguous(memory_format=torch.channels_last if channels_last(grad)
-                                           else torch.contiguous_format)
+        grad_input = grad_input.contiguous(memory_format=torch.channels_last if rows else torch.contiguous_format)
     grad_grad = grad_weight = None
     if ctx.needs_input_grad[0]:
         grad_grad = F.conv2d(grad_input, weight, None, ctx.stride, ctx.padding, ctx.dilation, ctx.groups)
@@ -248,7 +248,7 @@ def _conv2d_ones_backward_grad(ctx, grad_ones_in):
     grad_bias = None
     if ctx.needs_input_grad[2]:  # Σ share·grad per channel as a product, as BatchNorm's shift
         if rows:
-            grad_bias = torch.mv(grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1]).t(), share.flatten())
+            grad_bias = torch.mv(channel_rows(grad).flatten(0, 1).t(), share.flatten())
         else:
             grad_bias = torch.matmul(grad.flatten(2), share.flatten(2).transpose(1, 2)).sum((0, 2))
         grad_bias = grad_bias.to(bias.dtype)

@@ -17,7 +17,7 @@ import torch
 from ...ops.conv_bias import pair
 from ...ops.max_pool import max_pool_indices
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Live, channels_last, full_ones, ones_from_values, renormalized
+from ..values import Live, channel_rows, channels_last, full_ones, ones_from_values, renormalized
 
 aten = torch.ops.aten
 
@@ -82,13 +82,9 @@ def _positions_last(t: torch.Tensor) -> torch.Tensor:
     return t.flatten(2)
 
 
-def _channels_inner(t: torch.Tensor) -> torch.Tensor:
-    """(N, C, H, W) as (N, H·W, C): a view of a channels-last tensor."""
-    return t.permute(0, 2, 3, 1).flatten(1, 2)
-
-
 def _unflattened(t: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
-    """The inverse of :func:`_positions_last` (``dim`` -1) or :func:`_channels_inner` (``dim`` 1)."""
+    """The inverse of :func:`_positions_last` (``dim`` -1) or
+    :func:`~omenn_kernels.linearize.values.channel_rows` (``dim`` 1)."""
     if dim == -1:
         return t.view(shape)
     return t.view(shape[0], *shape[2:], shape[1]).permute(0, 3, 1, 2)
@@ -113,7 +109,7 @@ def _max_pool(op, *args, **kwargs):
     indices = max_pool_indices(x.value.detach(), pair(kernel, spatial), pair(stride, spatial) if stride else [],
                                pair(padding, spatial), pair(dilation, spatial), bool(ceil_mode))
     # Positions along one dim: (N, C, L) channels-first, (N, L, C) channels-last (views of both).
-    positions, dim = (_positions_last, -1) if not channels_last(x.value) else (_channels_inner, 1)
+    positions, dim = (_positions_last, -1) if not channels_last(x.value) else (channel_rows, 1)
     flat = positions(indices)
     value = positions(x.value).gather(dim, flat)
     if x.ones.dim() == x.value.dim() == 4 and x.ones.shape[1] == 1 and x.value.shape[1] > 1:
