@@ -59,6 +59,8 @@ TORCH_LIBRARY_IMPL(omenn, CPU, m) {
   m.impl("activation_cpu", &activation_op);
   m.impl("activation_backward_cpu", &activation_backward_op);
   m.impl("conv2d_ones_backward_cpu", &conv2d_ones_backward_op);
+  m.impl("attention_cpu", &omenn_cpu::attention_forward);
+  m.impl("attention_backward_dv_cpu", &omenn_cpu::attention_backward_dv);
   m.impl("linear_ones_cpu", &omenn_cpu::linear_ones);
   m.impl("max_pool_indices_cpu", &omenn_cpu::max_pool_indices);
   m.impl("conv2d_packed_cpu", &omenn_cpu::conv2d_packed);

@@ -4,6 +4,8 @@
 // R2  bias_share / spread_bias_share / conv_bias_ones_backward: the backward of a 2-D
 //     convolution's bias spread with a per-position ones channel.
 // R1  linear_ones: a linear layer's value with its bias carried by the mean of the ones.
+// R6  attention_forward / attention_backward_dv: softmax attention and dV = Pᵀ·dO, P recomputed
+//     one query row at a time.
 // R13' max_pool_indices: the arg-max of each window of a max pooling.
 // R2  conv2d_packed / conv2d_input_grad_packed: a float32 convolution and its input
 //     gradient through oneDNN, each weight reordered once (a cache by weight and version).
@@ -56,6 +58,18 @@ at::Tensor conv_bias_ones_backward(const at::Tensor& grad, const std::optional<a
                                    const at::Tensor& S, int64_t H, int64_t W, int64_t kh,
                                    int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
                                    int64_t dh, int64_t dw);
+
+// (softmax((q·scale)·kᵀ + bias)·v, logsumexp) for (B, H, T, D) heads; out is (B, Tq, H, Dv)-major,
+// lse float32 (float64 for float64 inputs); a fully masked row gives 0 and −inf.
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v,
+                                                     const std::optional<at::Tensor>& bias,
+                                                     double scale);
+
+// dV = Pᵀ·grad with P = exp((q·scale)·kᵀ + bias − lse): (B, H, Tk, Dv) contiguous, grad's dtype.
+at::Tensor attention_backward_dv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& grad,
+                                 const at::Tensor& lse, const std::optional<at::Tensor>& bias,
+                                 double scale);
 
 // (x·Wᵀ + b·Ō, Ō) with Ō = mean of ones over its last dim, keepdim; without a bias x·Wᵀ.
 std::tuple<at::Tensor, at::Tensor> linear_ones(const at::Tensor& x, const at::Tensor& ones,

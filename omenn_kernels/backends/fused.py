@@ -7,9 +7,9 @@ the shared ones. CPU runs the C++ kernels of ``csrc/``, CUDA the Triton kernels 
 
 Explanations differentiable with respect to the parameters (``create_graph``) run the
 fused ops whose backward differentiates again (``Rule.fused_differentiable``: convolution,
-eval BatchNorm, linear, activations) and the reference math of the others, still with
-one ones value per pixel; a warning names the rules that fall back where their fused op
-would have run (attention's, on CUDA).
+eval BatchNorm, linear, activations, attention) and the reference math of the others,
+still with one ones value per pixel; a warning names the rules whose fused op has no
+double backward.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.
         return explain_with(program, model, x, target, True, lambda rule: rule.fused or rule.reference)
     once_only = sorted({step.rule.name for step in program.steps
                         if step.kind is Kind.LIVE and step.rule.fused is not None
-                        and not step.rule.fused_differentiable and x.device.type in step.rule.fused_devices})
+                        and not step.rule.fused_differentiable})
     if once_only:
         warnings.warn(f"omenn_kernels: the fused ops of {', '.join(once_only)} have no double backward, "
                       "so explanations differentiable with respect to the parameters (create_graph=True) "

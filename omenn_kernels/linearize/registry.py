@@ -35,9 +35,6 @@ class Rule:
             ``value_gradient`` (whether the value must carry its own parameter gradient:
             the linearized logits are then the model's). False: such explanations run
             ``reference`` for this rule.
-        fused_devices: the device types on which ``fused`` is the rule's usual path (it may
-            run the reference math elsewhere), so that a differentiable explanation's
-            fallback to ``reference`` is reported only where it changes something.
         factor_args: argument positions where a Gate/CONST operand only scales a
             LIVE operand (multiplications): a gate may end there.
         gate_args: argument positions consumed only through a gate (the query and
@@ -70,7 +67,6 @@ class Rule:
     reference: Callable[..., Any] | None
     fused: Callable[..., Any] | None = None
     fused_differentiable: bool = False
-    fused_devices: tuple[str, ...] = ("cpu", "cuda")
     factor_args: tuple[int, ...] = ()
     gate_args: tuple[int, ...] = ()
     may_gate: bool = False

@@ -10,8 +10,7 @@ module                  op (``torch.ops.omenn``)     CPU                        
 ``conv_bias``           ``conv2d_ones`` (R2)         ``csrc/conv_bias.cpp``           ``triton_kernels/conv_bias.py``
                                                      (``csrc/conv_packed.cpp`` in
                                                      compiled graphs)
-``attention``           ``attention`` (R6)           ATen's flash attention; ``dV``   ``triton_kernels/attention.py``
-                                                     over chunks of heads
+``attention``           ``attention`` (R6)           ``csrc/attention.cpp``           ``triton_kernels/attention.py``
 ``linear_ones``         ``linear_ones`` (R1)         ``csrc/linear_ones.cpp``         aten products
                                                      (aten products)
 ``batch_norm_ones``     ``batch_norm_ones`` (R3)     aten products                    aten products
@@ -70,7 +69,7 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
     (one Triton kernel where aten needs a window-sum convolution) is traced as aten. On the
     CPU the activations, the convolutions and the linear layers' input gradient are (a traced
     convolution is called by the compiled graph itself, not through a custom op's Python
-    call); attention (ATen's flash attention, never the T×T weights), BatchNorm and the
+    call); attention (``csrc/attention.cpp``, never the T×T weights), BatchNorm and the
     linear layers' forward stay opaque calls (traced, BatchNorm made a batch of ResNet-50
     slower, and the linear forward made Inductor's code generation several times slower);
     without a parameter gradient the linear forward is traced as its C++ op

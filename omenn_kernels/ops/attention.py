@@ -6,27 +6,27 @@ The forward is flash attention that saves the log-sum-exp; the backward computes
 
 Cost per head: forward ``2·Tq·Tk·(D + Dv)`` FLOPs (``QKᵀ`` and ``P·V``), backward the
 same (``QKᵀ`` recomputed and ``Pᵀ·dO``): two of the five products of a full flash
-backward.
+backward. ``dV`` differentiates again with respect to ``dO`` (the forward on the new
+values), for explanations differentiated with respect to the parameters with the weights
+held (``fixed_multipliers``).
 
-Kernels: CUDA ``triton_kernels/attention.py``. CPU (``omenn::attention_cpu`` and
-``omenn::attention_backward_dv_cpu``, opaque to Inductor): ATen's flash attention for the
-forward, and ``P`` recomputed over chunks of heads of about :data:`CHUNK_BYTES` for
-``dV``. A fully masked row (every key at ``-inf``) gives ``0`` and ``lse = -inf``.
+Kernels: CUDA ``triton_kernels/attention.py``. CPU ``csrc/attention.cpp``
+(``omenn::attention_cpu`` and ``omenn::attention_backward_dv_cpu``, opaque to Inductor):
+one (batch, head) per task, ``P`` one query row of keys at a time, in cache. A fully
+masked row (every key at ``-inf``) gives ``0`` and ``lse = -inf``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch.library import triton_op
 from torch.utils.flop_counter import (flop_registry, register_flop_formula, sdpa_backward_flop_count,
                                       sdpa_flop_count)
 
-CHUNK_BYTES = 1 << 20
-"""On the CPU, ``P`` is recomputed for as many heads at a time as fit in about this many
-bytes (float32), blocks that stay in cache."""
+from ..native import define_cpu_op
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -57,100 +57,23 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _as_4d(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return None if bias is None else bias.view((1,) * (4 - bias.dim()) + tuple(bias.shape))
-
-
-def _head_blocks(batch: int, heads: int, tq: int, tk: int) -> Iterator[tuple[slice, slice]]:
-    """(batch, head) slices covering (B, H), each about :data:`CHUNK_BYTES` of float32 ``P``."""
-    per_block = max(1, CHUNK_BYTES // max(1, 4 * tq * tk))
-    if per_block >= heads:
-        images = per_block // heads
-        for b in range(0, batch, images):
-            yield slice(b, min(b + images, batch)), slice(0, heads)
-    else:
-        for b in range(batch):
-            for h in range(0, heads, per_block):
-                yield slice(b, b + 1), slice(h, min(h + per_block, heads))
-
-
-def _scores_of_block(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], scale: float,
-                     work: torch.dtype) -> torch.Tensor:
-    """``QKᵀ·scale + bias`` of one block of heads, in the accumulation dtype ``work`` (Q scaled:
-    T·D products, not T·T)."""
-    scores = torch.matmul(q.to(work) * scale, k.to(work).transpose(-2, -1))
-    return scores if bias is None else scores.add_(bias)
-
-
-def _probabilities_in_place(scores: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """``P = exp(scores − lse)`` written over ``scores``; a fully masked row (``lse = -inf``,
-    every score ``-inf``) is 0."""
-    return scores.sub_(lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1)).exp_()
-
-
-def _cpu_forward_in_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
-                           scale: float, out: torch.Tensor, lse: torch.Tensor) -> None:
-    """The forward over blocks of heads, where ATen's flash attention does not apply."""
-    (batch, heads, tq, _), tk, work = q.shape, k.shape[-2], _lse_dtype(q.dtype)
-    for b, h in _head_blocks(batch, heads, tq, tk):
-        block_bias = None if bias is None else bias.expand(batch, heads, tq, tk)[b, h]
-        scores = _scores_of_block(q[b, h], k[b, h], block_bias, scale, work)
-        lse[b, h] = block_lse = torch.logsumexp(scores, dim=-1)
-        out[b, h] = torch.matmul(_probabilities_in_place(scores, block_lse), v[b, h].to(work))
-
-
-@torch.library.custom_op("omenn::attention_cpu", mutates_args=())
-def _attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    (batch, heads, tq, _), tk, dv = q.shape, k.shape[-2], v.shape[-1]
-    # (B, T, H, Dv)-major: the layout in which the model's next reshape (heads → features) is a view.
-    out = q.new_empty(batch, tq, heads, dv).transpose(1, 2)
-    lse = q.new_empty(batch, heads, tq, dtype=_lse_dtype(q.dtype))
-    bias = _as_4d(bias)
-    if tq == 0:
-        return out, lse
-    if tk == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
-    if dv != q.shape[-1]:  # ATen's flash attention wants one head size
-        _cpu_forward_in_blocks(q, k, v, bias, scale, out, lse)
-        return out, lse
-    # ATen's float64 kernel misreads a float32 mask at head sizes of 64 and more: give it float64.
-    mask = bias.double() if bias is not None and q.dtype == torch.float64 else bias
-    flash_out, flash_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-    out.copy_(flash_out)
-    lse.copy_(flash_lse)
-    if bias is not None:  # ATen gives a fully masked row lse 0 (and output 0)
-        lse.masked_fill_(torch.isneginf(bias).all(-1).expand_as(lse), float("-inf"))
-    return out, lse
-
-
-@_attention_cpu.register_fake
-def _(q, k, v, bias, scale):
+def _attention_cpu_like(q, k, v, bias, scale):
     (batch, heads, tq, _), dv = q.shape, v.shape[-1]
+    # (B, T, H, Dv)-major: the layout in which the model's next reshape (heads → features) is a view.
     return (q.new_empty(batch, tq, heads, dv).transpose(1, 2),
             q.new_empty(batch, heads, tq, dtype=_lse_dtype(q.dtype)))
 
 
-@torch.library.custom_op("omenn::attention_backward_dv_cpu", mutates_args=())
-def _attention_backward_dv_cpu(q: torch.Tensor, k: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor,
-                               bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
-    (batch, heads, tq, _), tk = q.shape, k.shape[-2]
-    dv = grad.new_empty(batch, heads, tk, grad.shape[-1])
-    if tq == 0 or tk == 0:
-        return dv.zero_()
-    work, bias = _lse_dtype(q.dtype), _as_4d(bias)
-    for b, h in _head_blocks(batch, heads, tq, tk):
-        block_bias = None if bias is None else bias.expand(batch, heads, tq, tk)[b, h]
-        scores = _scores_of_block(q[b, h], k[b, h], block_bias, scale, work)
-        weights = _probabilities_in_place(scores, lse[b, h].to(work))
-        dv[b, h] = torch.matmul(weights.transpose(-2, -1), grad[b, h].to(work))
-    return dv
-
-
-@_attention_backward_dv_cpu.register_fake
-def _(q, k, grad, lse, bias, scale):
+def _attention_backward_dv_cpu_like(q, k, grad, lse, bias, scale):
     return grad.new_empty(q.shape[0], q.shape[1], k.shape[-2], grad.shape[-1])
+
+
+# ``csrc/attention.cpp``: one (batch, head) at a time, ``P`` one row of keys at a time.
+attention_cpu = define_cpu_op("attention_cpu(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) "
+                              "-> (Tensor, Tensor)", _attention_cpu_like)
+attention_backward_dv_cpu = define_cpu_op("attention_backward_dv_cpu(Tensor q, Tensor k, Tensor grad, "
+                                          "Tensor lse, Tensor? bias, float scale) -> Tensor",
+                                          _attention_backward_dv_cpu_like)
 
 
 # --------------------------------------------------------------------------- the op
@@ -166,7 +89,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[
         from triton_kernels.attention import attention_forward
 
         return attention_forward(q, k, v, scale, bias)
-    return _attention_cpu(q, k, v, bias, scale)
+    return attention_cpu(q, k, v, bias, scale)
 
 
 @triton_op("omenn::attention_backward_dv", mutates_args=())
@@ -177,7 +100,7 @@ def attention_backward_dv(q: torch.Tensor, k: torch.Tensor, grad: torch.Tensor, 
         from triton_kernels.attention import attention_backward_dv as kernel
 
         return kernel(q, k, grad, lse, scale, bias)
-    return _attention_backward_dv_cpu(q, k, grad, lse, bias, scale)
+    return attention_backward_dv_cpu(q, k, grad, lse, bias, scale)
 
 
 # FLOPs for torch.utils.flop_counter: the scores ``QKᵀ`` and ``P·V``; the backward recomputes
@@ -209,7 +132,9 @@ if _CPU_FLASH_BACKWARD not in flop_registry:
 
 def _attention_setup(ctx, inputs, output) -> None:
     q, k, _v, bias, ctx.scale = inputs
-    ctx.save_for_backward(q, k, output[1], *([bias] if bias is not None else []))
+    # lse detached: it only locates the weights, so a differentiated backward sends nothing
+    # back into this forward through it (which would run this backward once more).
+    ctx.save_for_backward(q, k, output[1].detach(), *([bias] if bias is not None else []))
 
 
 def _attention_grad(ctx, grad, _grad_lse):
@@ -219,3 +144,23 @@ def _attention_grad(ctx, grad, _grad_lse):
 
 
 attention.register_autograd(_attention_grad, setup_context=_attention_setup)
+
+
+def _attention_backward_dv_setup(ctx, inputs, output) -> None:
+    q, k, _grad, _lse, bias, ctx.scale = inputs
+    ctx.save_for_backward(q, k, *([bias] if bias is not None else []))
+
+
+def _attention_backward_dv_grad(ctx, grad_dv):
+    """``dV = Pᵀ·grad`` is linear in ``grad``, with adjoint ``P·ddV``: the forward with ``ddV``
+    as the values. This is what an explanation differentiated with respect to the
+    parameters needs with its attention weights held fixed (``Q`` and ``K`` constant)."""
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        raise RuntimeError("omenn::attention_backward_dv is differentiable with respect to grad only; "
+                           "attention weights that follow the parameters take the reference rule")
+    q, k, *bias = ctx.saved_tensors
+    grad_grad, _ = attention(q, k, grad_dv, bias[0] if bias else None, ctx.scale)
+    return None, None, grad_grad, None, None, None
+
+
+attention_backward_dv.register_autograd(_attention_backward_dv_grad, setup_context=_attention_backward_dv_setup)

@@ -1,11 +1,11 @@
-"""``omenn::attention`` on the CPU (ATen's flash attention forward, ``dV`` over chunks of
-heads) and R6 through it: attention whose weights do not fit in one chunk is never written out.
+"""``omenn::attention`` on the CPU (``csrc/attention.cpp``: the forward and ``dV`` one query
+row at a time) and R6 through it: attention whose weights do not fit in one chunk is never written out.
 
 Oracle: softmax attention written out in float64 from the very values the op sees (inputs
 rounded to their dtype first), fully masked rows defined as ``A = 0``, ``lse = -inf``;
 ``dV = Aᵀ·dY``. Inputs are views into NaN-filled buffers (a read outside the view turns the
 result into NaN). Tolerances, max |error| / max |reference|: float64 1e-12, float32 1e-5,
-bfloat16 2e-2 (``lse`` relative to max(1, |lse|)). Explanations through the op against the
+float16 5e-3, bfloat16 2e-2 (``lse`` relative to max(1, |lse|)). Explanations through the op against the
 reference backend: relative (Frobenius) 1e-10 in float64, 1e-5 in float32.
 """
 
@@ -17,9 +17,9 @@ import torch
 from omenn_kernels import Explainer
 from omenn_kernels.linearize.rules import attention as attention_rules
 from omenn_kernels.ops import attention
-from omenn_kernels.testing import FAMILIES, randomize_, relative_distance
+from omenn_kernels.testing import FAMILIES, python_entered, randomize_, relative_distance
 
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 NEG_INF = float("-inf")
 
 
@@ -78,21 +78,25 @@ CASES = [
     (2, 3, 7, 7, 8, 8, torch.float64, "relpos"),
     (2, 3, 9, 9, 8, 8, torch.float64, "mask"),
     (2, 3, 9, 9, 8, 8, torch.float64, "causal"),
-    (1, 2, 17, 17, 64, 64, torch.float64, "relpos"),  # ATen's float64 kernel at D = 64 with a float32 bias
+    (1, 2, 17, 17, 64, 64, torch.float64, "relpos"),
     (2, 2, 5, 11, 8, 8, torch.float64, "mask"),  # other query count
-    (2, 2, 9, 9, 8, 4, torch.float64, "mask"),  # another value head size: ATen's flash attention does not apply
+    (2, 2, 9, 9, 8, 4, torch.float64, "mask"),  # another value head size
     (1, 4, 17, 17, 16, 16, torch.float32, "relpos"),
     (2, 3, 17, 17, 16, 16, torch.float32, "mask"),
     (2, 3, 17, 17, 16, 8, torch.float32, "none"),
     (1, 2, 17, 17, 16, 16, torch.bfloat16, "mask"),
+    (1, 2, 17, 17, 16, 16, torch.float16, "mask"),
+    # Partial SIMD vectors along the keys and along the head sizes, one token, parts_vit's heads.
+    (2, 2, 19, 19, 5, 7, torch.float64, "causal"),
+    (1, 2, 33, 20, 24, 40, torch.float32, "mask"),
+    (1, 1, 1, 1, 3, 3, torch.float64, "none"),
+    (2, 4, 145, 145, 16, 16, torch.float32, "none"),
 ]
 
 
-@pytest.mark.parametrize("chunk_bytes", [1 << 20, 600], ids=["one-chunk", "chunks-of-heads"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}H{c[1]}-Tq{c[2]}Tk{c[3]}-D{c[4]}Dv{c[5]}-"
                                                     f"{str(c[6])[6:]}-{c[7]}")
-def test_forward_and_dv_equal_the_weights_written_out(case, chunk_bytes, monkeypatch):
-    monkeypatch.setattr(attention, "CHUNK_BYTES", chunk_bytes)
+def test_forward_and_dv_equal_the_weights_written_out(case):
     b, h, tq, tk, d, dv, dtype, kind = case
     generator = torch.Generator().manual_seed(tq * 100 + tk)
     q, k = (_nan_view(torch.randn(b, h, t, d, generator=generator).to(dtype)) for t in (tq, tk))
@@ -115,6 +119,23 @@ def test_forward_and_dv_equal_the_weights_written_out(case, chunk_bytes, monkeyp
         assert torch.equal(torch.autograd.grad(out, v, grad)[0], got_dv)
 
 
+@pytest.mark.parametrize("kind", ["none", "mask"])
+def test_dv_differentiates_again_with_respect_to_the_gradient(kind):
+    """``dV = Pᵀ·dO`` is linear in ``dO``; its derivative is the forward on the new values.
+    gradgradcheck in float64, with a fully masked row; Q and K asking for a gradient through
+    ``dV`` raise, rather than get none."""
+    generator = torch.Generator().manual_seed(5)
+    q, k = (_nan_view(torch.randn(2, 3, 9, 8, generator=generator, dtype=torch.float64)) for _ in range(2))
+    v = torch.randn(2, 3, 9, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    bias = _bias(kind, 2, 3, 9, 9, generator)
+    assert torch.autograd.gradgradcheck(lambda values: attention.attention(q, k, values, bias, 0.3)[0], (v,))
+    query = q.detach().clone().requires_grad_(True)
+    out, lse = attention.attention(q, k, v, bias, 0.3)
+    dv = attention.attention_backward_dv(query, k, torch.randn_like(out), lse, bias, 0.3)
+    with pytest.raises(RuntimeError, match="differentiable with respect to grad only"):
+        dv.sum().backward()
+
+
 def test_no_keys_give_zero_output_and_minus_infinite_lse():
     q = torch.randn(1, 2, 3, 4)
     empty = torch.randn(1, 2, 0, 4, requires_grad=True)
@@ -134,6 +155,15 @@ def test_opcheck_cpu_ops(kind):
     torch.library.opcheck(torch.ops.omenn.attention_cpu.default, (q, k, v, bias, 0.3), test_utils=checks)
     torch.library.opcheck(torch.ops.omenn.attention_backward_dv_cpu.default, (q, k, grad, lse, bias, 0.3),
                           test_utils=checks)
+
+
+def test_cpu_ops_run_no_python():
+    """The dispatcher sends the CPU ops to ``csrc/attention.cpp`` directly: no Python per call."""
+    generator = torch.Generator().manual_seed(2)
+    q, k, v, grad = (_nan_view(torch.randn(2, 3, 9, 8, generator=generator)) for _ in range(4))
+    out, lse = torch.ops.omenn.attention_cpu(q, k, v, None, 0.3)
+    assert python_entered(lambda: torch.ops.omenn.attention_cpu(q, k, v, None, 0.3)) == []
+    assert python_entered(lambda: torch.ops.omenn.attention_backward_dv_cpu(q, k, grad, lse, None, 0.3)) == []
 
 
 def test_weights_larger_than_one_chunk_go_through_the_op():
@@ -161,7 +191,6 @@ def test_explanations_through_the_op_equal_the_reference(name, dtype, monkeypatc
         return attention.attention(*args)
 
     monkeypatch.setattr(attention_rules, "_CHUNK_BYTES", 0)
-    monkeypatch.setattr(attention, "CHUNK_BYTES", 2000)  # several chunks of heads in dV
     monkeypatch.setattr(attention_rules, "attention", counted)
     family = FAMILIES[name]
     torch.manual_seed(3)

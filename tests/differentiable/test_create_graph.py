@@ -7,10 +7,11 @@
   (BatchNorm statistics included), ``training`` and ``requires_grad`` flags are
   bitwise the same; only ``.grad`` is filled, for the optimizer.
 * With ``"total"`` the returned logits are the model's own output with its own gradient.
-* The fused backend differentiates its ops twice (all but attention, which falls back to
-  the reference, with a warning where its fused op would have run), with the reference's
-  gradients (rtol 1e-9); its backward runs once per explanation, and the parameters'
-  gradient of its values only for the logits.
+* The fused backend differentiates its ops twice, with the reference's gradients (rtol
+  1e-9); attention through its op with fixed multipliers, the reference rule where its
+  weights follow the parameters; a rule whose fused op has no double backward falls back
+  with a warning. Its backward runs once per explanation, and the parameters' gradient of
+  its values only for the logits.
 * Many read-outs per forward: the gradient of their sum is the sum of single-target
   gradients (rtol 1e-9).
 * Piecewise-constant multipliers only (ReLU, max pooling, eval BatchNorm): no held
@@ -109,8 +110,8 @@ def test_total_logits_carry_the_models_own_gradient(family):
 @pytest.mark.parametrize("parameter_gradient", ["total", "fixed_multipliers"])
 @pytest.mark.parametrize("family", sorted(MODELS))
 def test_fused_backend_matches_reference(family, parameter_gradient):
-    """The fused ops differentiate twice. The ViT's attention runs its reference rule, as it
-    does first-order on the CPU (its fused op is CUDA's), so nothing warns."""
+    """The fused ops differentiate twice, and nothing warns. The ViT's attention weights fit
+    in one chunk, so they run the reference rule, as first-order on the CPU."""
     model, x = MODELS[family]()
     params = list(model.parameters())
     with warnings.catch_warnings():
@@ -124,12 +125,37 @@ def test_fused_backend_matches_reference(family, parameter_gradient):
         _assert_close(actual, expected, RTOL_GRADIENT)
 
 
+@pytest.mark.parametrize("parameter_gradient", ["total", "fixed_multipliers"])
+def test_attention_op_differentiates_again_with_its_weights_held(parameter_gradient, monkeypatch):
+    """Attention weights larger than one chunk (forced here) run ``omenn::attention`` with fixed
+    multipliers, whose ``dV`` differentiates again; with a total gradient the weights follow
+    the parameters and the reference rule runs. Both give the reference backend's gradients."""
+    from omenn_kernels.linearize.rules import attention as attention_rules
+
+    calls = []
+    real = attention_rules.attention
+    monkeypatch.setattr(attention_rules, "_CHUNK_BYTES", 0)
+    monkeypatch.setattr(attention_rules, "attention", lambda *args: calls.append(1) or real(*args))
+    model, x = MODELS["vit"]()
+    params = list(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fused = Explainer(model, backend="auto")(x, TARGET, create_graph=True,
+                                                 parameter_gradient=parameter_gradient)
+    reference = Explainer(model)(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
+    assert bool(calls) == (parameter_gradient == "fixed_multipliers")
+    for field in ("contribution", "weight", "bias", "logits"):
+        _assert_close(getattr(fused, field).detach(), getattr(reference, field).detach(), RTOL_GRADIENT)
+    for actual, expected in zip(_gradients(fused, params), _gradients(reference, params)):
+        _assert_close(actual, expected, RTOL_GRADIENT)
+
+
 def test_fallback_warns_where_the_fused_op_would_run(monkeypatch):
     """A rule whose fused op has no double backward, on a device where that op runs (here:
-    attention's CUDA op declared for the CPU too), warns and names the rule."""
+    attention's op declared without one), warns and names the rule."""
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     rule = registry.lookup(sdpa)
-    monkeypatch.setitem(registry._RULES, sdpa, dataclasses.replace(rule, fused_devices=("cpu", "cuda")))
+    monkeypatch.setitem(registry._RULES, sdpa, dataclasses.replace(rule, fused_differentiable=False))
     model, x = MODELS["vit"]()
     with pytest.warns(RuntimeWarning, match="the fused ops of R6 attention have no double backward"):
         Explainer(model, backend="auto")(x, TARGET, create_graph=True)

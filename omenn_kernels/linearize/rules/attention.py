@@ -12,7 +12,9 @@ Fused op ``omenn::attention`` (R6; :mod:`omenn_kernels.ops.attention`): the forw
 flash attention saving the log-sum-exp; the backward computes only ``dV = Pᵀ·dO``. On the
 CPU, attention whose weights of all heads fit in one chunk (:data:`_CHUNK_BYTES`) keeps
 the reference form, which saves ``A`` instead of recomputing it; larger weights go
-through the op and are never written out.
+through the op and are never written out. Explanations differentiated with respect to
+the parameters with the multipliers held (``fixed_multipliers``) run the op too: its
+``dV`` differentiates again with respect to ``dO``.
 
 With held values that follow the parameters (a total parameter gradient, where an
 explanation inside a loss is differentiated twice), self-attention without a mask runs
@@ -30,7 +32,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ...ops import kernels_available
-from ...ops.attention import CHUNK_BYTES, attention
+from ...ops.attention import attention
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Gate, Live, ones_from_values, plain, renormalized
 
@@ -88,7 +90,7 @@ def attended(weights: torch.Tensor, values: Live, queries_are_tokens: bool = Tru
     return Live(value, ones, held)
 
 
-_CHUNK_BYTES = CHUNK_BYTES  # on the CPU, T×T blocks of about this size stay in cache (the op's too)
+_CHUNK_BYTES = 1 << 20  # on the CPU, T×T blocks of about this size stay in cache
 
 
 def _head_chunks(heads: int, tq: int, tk: int, like: torch.Tensor) -> list[slice]:
@@ -307,25 +309,21 @@ def _additive_mask(mask, is_causal: bool, tq: int, tk: int, like: torch.Tensor) 
     return bias
 
 
-# Where the op is the rule's usual path, so that a differentiable explanation's fallback to the
-# reference form is reported there: on the CPU the op serves only weights larger than one chunk,
-# and the reference form (weights in chunks of heads, _HeldAttention) is the differentiable path's own.
-_FUSED_DEVICES = ("cuda",)
-
-
 def _weights_fit_one_chunk(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the CPU would hold all heads' float32 weights in one chunk: then saving them
     costs less than recomputing them for ``dV``, and little memory."""
     return q.device.type == "cpu" and q[..., 0].numel() * k.shape[-2] * 4 <= _CHUNK_BYTES
 
 
-def _fused_sdpa(op, *args, **kwargs):
-    """R6 through ``omenn::attention``; the reference form for R6' and, on the CPU, for
-    weights that fit in one chunk."""
+def _fused_sdpa(op, *args, value_gradient: bool = False, **kwargs):
+    """R6 through ``omenn::attention``; the reference form for R6', on the CPU for weights
+    that fit in one chunk, and for weights that follow the parameters (a total parameter
+    gradient: the op's ``dV`` differentiates again only with ``Q`` and ``K`` held)."""
     query, key, value, mask, dropout, is_causal, scale, enable_gqa = arguments(op, args, kwargs)
     q, k = plain(query), plain(key)
     fusable = (isinstance(value, Live) and isinstance(query, (Live, Gate)) and not dropout
-               and kernels_available(value.value)
+               and kernels_available(value.value) and value.held is None
+               and not q.requires_grad and not k.requires_grad
                and q.shape[-2] == k.shape[-2] and q.dim() == 4 and not _weights_fit_one_chunk(q, k))
     if not fusable:
         return _sdpa(op, *args, **kwargs)
@@ -348,6 +346,6 @@ def _softmax_outside_gate(op, *args, **kwargs):
 
 
 register([aten.scaled_dot_product_attention],
-         Rule("R6 attention", _sdpa, _fused_sdpa, fused_devices=_FUSED_DEVICES, gate_args=(0, 1, 3)))
+         Rule("R6 attention", _sdpa, _fused_sdpa, fused_differentiable=True, gate_args=(0, 1, 3)))
 register([aten.softmax, aten._softmax, aten._safe_softmax],
          Rule("R5 gate", _softmax_outside_gate, may_gate=True, live=False))
