@@ -141,16 +141,18 @@ const T* bias_row(const at::Tensor& bias, int64_t b, int64_t h, int64_t i, int64
   return bias.const_data_ptr<T>() + b * bias.stride(0) + h * bias.stride(1) + i * bias.stride(2);
 }
 
-// Pointers to the q rows i0 … i0+R−1 of (b, h) and to their bias rows.
+// The scores of the query rows i0 … i0+R−1 of (b, h) into s (R × tk).
 template <typename T, int R>
-int64_t block_rows(const Heads<T>& q, const at::Tensor& bias, int64_t b, int64_t h, int64_t i0,
-                   const T* (&rows)[kRows], const T* (&bias_rows)[kRows]) {
+void block_scores(const Heads<T>& q, const T* kt, const at::Tensor& bias, const Sizes& n,
+                  int64_t b, int64_t h, int64_t i0, T* s) {
+  const T* rows[R];
+  const T* bias_rows[R];
   int64_t stride = 0;
   for (int r = 0; r < R; ++r) {
     rows[r] = q.row(b, h, i0 + r);
     bias_rows[r] = bias_row<T>(bias, b, h, i0 + r, stride);
   }
-  return stride;
+  scores_rows<T, R>(rows, kt, n.d, n.tk, bias_rows, stride, s);
 }
 
 // out rows i0 … i0+R−1 of (b, h) and their lse; s: R × tk scratch.
@@ -159,10 +161,7 @@ void forward_block(const Heads<T>& q, const T* kt, const Heads<T>& v, const at::
                    const Sizes& n, int64_t b, int64_t h, int64_t i0, T* s, T* out, int64_t ost,
                    T* lse) {
   using V = Vec<T>;
-  const T* rows[kRows];
-  const T* bias_rows[kRows];
-  const int64_t bias_stride = block_rows<T, R>(q, bias, b, h, i0, rows, bias_rows);
-  scores_rows<T, R>(rows, kt, n.d, n.tk, bias_rows, bias_stride, s);
+  block_scores<T, R>(q, kt, bias, n, b, h, i0, s);
   T inverse[R];
   for (int r = 0; r < R; ++r) {
     T* row = s + r * n.tk;
@@ -207,10 +206,7 @@ void backward_dv_block(const Heads<T>& q, const T* kt, const Heads<T>& grad, con
                        const at::Tensor& bias, const Sizes& n, int64_t b, int64_t h,
                        int64_t i0, T* s, T* dv) {
   using V = Vec<T>;
-  const T* rows[kRows];
-  const T* bias_rows[kRows];
-  const int64_t bias_stride = block_rows<T, R>(q, bias, b, h, i0, rows, bias_rows);
-  scores_rows<T, R>(rows, kt, n.d, n.tk, bias_rows, bias_stride, s);
+  block_scores<T, R>(q, kt, bias, n, b, h, i0, s);
   bool masked[R];
   for (int r = 0; r < R; ++r) {
     T* row = s + r * n.tk;
@@ -301,6 +297,21 @@ void check_heads(const char* where, const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.dim() == 4, where, ": ", name, " must be (B, H, T, D), got shape ", t.sizes());
 }
 
+// The sizes of q (B, H, Tq, D), k (B, H, Tk, D) and the values or gradient (B, H, T, Dv), checked
+// to be heads of one batch and one head count, q and k of one head size.
+Sizes checked_sizes(const char* where, const at::Tensor& q, const at::Tensor& k, const char* name,
+                    const at::Tensor& values) {
+  check_heads(where, "q", q);
+  check_heads(where, "k", k);
+  check_heads(where, name, values);
+  const Sizes n{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), values.size(3)};
+  TORCH_CHECK(k.size(0) == n.batch && k.size(1) == n.heads && k.size(3) == n.d &&
+                  values.size(0) == n.batch && values.size(1) == n.heads,
+              where, ": q ", q.sizes(), ", k ", k.sizes(), " and ", name, " ", values.sizes(),
+              " are not heads (B, H, T, D) of one batch and head count, q and k of one head size");
+  return n;
+}
+
 // A unit stride along the last dim (views of other strides are read in place), in `work`.
 at::Tensor rows_of(const at::Tensor& t, at::ScalarType work) {
   at::Tensor r = t.scalar_type() == work ? t : t.to(work);
@@ -328,14 +339,9 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
                                                      const at::Tensor& v,
                                                      const std::optional<at::Tensor>& bias,
                                                      double scale) {
-  check_heads("attention_cpu", "q", q);
-  check_heads("attention_cpu", "k", k);
-  check_heads("attention_cpu", "v", v);
-  const Sizes n{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
-  TORCH_CHECK(k.size(0) == n.batch && k.size(1) == n.heads && k.size(3) == n.d &&
-                  v.size(0) == n.batch && v.size(1) == n.heads && v.size(2) == n.tk,
-              "attention_cpu: q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
-              " are not (B, H, Tq, D), (B, H, Tk, D), (B, H, Tk, Dv)");
+  const Sizes n = checked_sizes("attention_cpu", q, k, "v", v);
+  TORCH_CHECK(v.size(2) == n.tk, "attention_cpu: v ", v.sizes(), " does not have the ", n.tk,
+              " tokens of k ", k.sizes());
   const at::ScalarType work = work_type(q);
   const at::Tensor qw = rows_of(q, work), kw = rows_of(k, work), vw = rows_of(v, work);
   const at::Tensor bw = bias_4d(bias, n, work);
@@ -359,13 +365,9 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
 at::Tensor attention_backward_dv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& grad,
                                  const at::Tensor& lse, const std::optional<at::Tensor>& bias,
                                  double scale) {
-  check_heads("attention_backward_dv_cpu", "q", q);
-  check_heads("attention_backward_dv_cpu", "k", k);
-  check_heads("attention_backward_dv_cpu", "grad", grad);
-  const Sizes n{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), grad.size(3)};
-  TORCH_CHECK(grad.size(0) == n.batch && grad.size(1) == n.heads && grad.size(2) == n.tq &&
-                  lse.dim() == 3 && lse.size(0) == n.batch && lse.size(1) == n.heads &&
-                  lse.size(2) == n.tq,
+  const Sizes n = checked_sizes("attention_backward_dv_cpu", q, k, "grad", grad);
+  TORCH_CHECK(grad.size(2) == n.tq && lse.dim() == 3 && lse.size(0) == n.batch &&
+                  lse.size(1) == n.heads && lse.size(2) == n.tq,
               "attention_backward_dv_cpu: grad ", grad.sizes(), " and lse ", lse.sizes(),
               " do not match q ", q.sizes());
   const at::ScalarType work = work_type(q);

@@ -166,6 +166,20 @@ def test_cpu_ops_run_no_python():
     assert python_entered(lambda: torch.ops.omenn.attention_backward_dv_cpu(q, k, grad, lse, None, 0.3)) == []
 
 
+def test_cpu_ops_name_mismatched_shapes():
+    """Heads of another batch, head count or head size, values of another token count and an
+    lse of another query count are refused with the shapes named, never read out of bounds."""
+    q, lse = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5)
+    with pytest.raises(RuntimeError, match=r"q \[2, 3, 5, 8\], k \[1, 3, 5, 8\] and grad .* are not heads"):
+        torch.ops.omenn.attention_backward_dv_cpu(q, q[:1], q, lse, None, 0.3)
+    with pytest.raises(RuntimeError, match="are not heads"):
+        torch.ops.omenn.attention_cpu(q, q[..., :4], q, None, 0.3)
+    with pytest.raises(RuntimeError, match=r"v \[2, 3, 4, 8\] does not have the 5 tokens of k"):
+        torch.ops.omenn.attention_cpu(q, q, q[:, :, :4], None, 0.3)
+    with pytest.raises(RuntimeError, match=r"lse \[2, 3, 2\] do not match q"):
+        torch.ops.omenn.attention_backward_dv_cpu(q, q, q, lse[:, :, :2], None, 0.3)
+
+
 def test_weights_larger_than_one_chunk_go_through_the_op():
     """The CPU writes out attention weights that fit in one chunk (saving ``A`` costs less than
     recomputing it) and runs larger ones through the op: ViT-B/16 at batch 8 does not fit."""
