@@ -42,7 +42,10 @@ import torch
 
 NAME = "omenn_cpu"
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
-SOURCES = ("activation.cpp", "attention.cpp", "conv_bias.cpp", "conv_packed.cpp", "linear_ones.cpp", "max_pool.cpp", "bindings.cpp")
+SOURCES = ("activation.cpp", "attention.cpp", "conv_bias.cpp", "conv_packed.cpp", "linear_ones.cpp",
+           "max_pool.cpp", "bindings.cpp")
+
+
 def _simd_flags() -> list[str]:
     """AVX-512 (or AVX2) flags where this CPU has them, as PyTorch's own kernels pick, so ATen's SIMD vectors (and Sleef's
     erfc/exp) serve the float32 GELU and SiLU loops, as in PyTorch's own kernels."""

@@ -318,7 +318,9 @@ def _weights_fit_one_chunk(q: torch.Tensor, k: torch.Tensor) -> bool:
 def _fused_sdpa(op, *args, value_gradient: bool = False, **kwargs):
     """R6 through ``omenn::attention``; the reference form for R6', on the CPU for weights
     that fit in one chunk, and for weights that follow the parameters (a total parameter
-    gradient: the op's ``dV`` differentiates again only with ``Q`` and ``K`` held)."""
+    gradient: the op's ``dV`` differentiates again only with ``Q`` and ``K`` held).
+    ``value_gradient`` is never set here: attention's multipliers follow the held values
+    (``Rule.held_multipliers``), so a total gradient always runs the held forward."""
     query, key, value, mask, dropout, is_causal, scale, enable_gqa = arguments(op, args, kwargs)
     q, k = plain(query), plain(key)
     fusable = (isinstance(value, Live) and isinstance(query, (Live, Gate)) and not dropout
