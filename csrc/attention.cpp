@@ -322,11 +322,11 @@ at::ScalarType work_type(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-at::Tensor bias_4d(const std::optional<at::Tensor>& bias, const Sizes& n, at::ScalarType work) {
+at::Tensor bias_4d(const char* where, const std::optional<at::Tensor>& bias, const Sizes& n,
+                   at::ScalarType work) {
   if (!bias.has_value() || !bias->defined()) return at::Tensor();
-  check_cpu_floating("attention_cpu", "bias", *bias);
-  TORCH_CHECK(bias->dim() <= 4, "attention_cpu: bias must have at most 4 dims, got ",
-              bias->sizes());
+  check_cpu_floating(where, "bias", *bias);
+  TORCH_CHECK(bias->dim() <= 4, where, ": bias must have at most 4 dims, got ", bias->sizes());
   at::Tensor b = bias->to(work);
   std::vector<int64_t> shape(4 - b.dim(), 1);
   shape.insert(shape.end(), b.sizes().begin(), b.sizes().end());
@@ -344,7 +344,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
               " tokens of k ", k.sizes());
   const at::ScalarType work = work_type(q);
   const at::Tensor qw = rows_of(q, work), kw = rows_of(k, work), vw = rows_of(v, work);
-  const at::Tensor bw = bias_4d(bias, n, work);
+  const at::Tensor bw = bias_4d("attention_cpu", bias, n, work);
   // (B, Tq, H, Dv)-major: the layout in which the model's next reshape (heads → features) is
   // a view.
   at::Tensor out =
@@ -372,7 +372,8 @@ at::Tensor attention_backward_dv(const at::Tensor& q, const at::Tensor& k, const
               " do not match q ", q.sizes());
   const at::ScalarType work = work_type(q);
   const at::Tensor qw = rows_of(q, work), kw = rows_of(k, work), gw = rows_of(grad, work);
-  const at::Tensor lw = lse.to(work).contiguous(), bw = bias_4d(bias, n, work);
+  const at::Tensor lw = lse.to(work).contiguous();
+  const at::Tensor bw = bias_4d("attention_backward_dv_cpu", bias, n, work);
   at::Tensor dv = at::empty({n.batch, n.heads, n.tk, n.dv}, grad.options().dtype(work));
   if (n.tq == 0 || n.tk == 0) {
     dv.zero_();

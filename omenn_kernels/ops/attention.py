@@ -12,7 +12,7 @@ held (``fixed_multipliers``).
 
 Kernels: CUDA ``triton_kernels/attention.py``. CPU ``csrc/attention.cpp``
 (``omenn::attention_cpu`` and ``omenn::attention_backward_dv_cpu``, opaque to Inductor):
-one (batch, head) per task, ``P`` one query row of keys at a time, in cache. A fully
+one (batch, head) per task, ``P`` for four query rows at a time, in cache. A fully
 masked row (every key at ``-inf``) gives ``0`` and ``lse = -inf``.
 """
 

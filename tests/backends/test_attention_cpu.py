@@ -167,8 +167,9 @@ def test_cpu_ops_run_no_python():
 
 
 def test_cpu_ops_name_mismatched_shapes():
-    """Heads of another batch, head count or head size, values of another token count and an
-    lse of another query count are refused with the shapes named, never read out of bounds."""
+    """Heads of another batch, head count or head size, values of another token count, an lse
+    of another query count and a bias of more than 4 dims are refused, naming the op and the
+    shapes, never read out of bounds."""
     q, lse = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5)
     with pytest.raises(RuntimeError, match=r"q \[2, 3, 5, 8\], k \[1, 3, 5, 8\] and grad .* are not heads"):
         torch.ops.omenn.attention_backward_dv_cpu(q, q[:1], q, lse, None, 0.3)
@@ -178,6 +179,8 @@ def test_cpu_ops_name_mismatched_shapes():
         torch.ops.omenn.attention_cpu(q, q, q[:, :, :4], None, 0.3)
     with pytest.raises(RuntimeError, match=r"lse \[2, 3, 2\] do not match q"):
         torch.ops.omenn.attention_backward_dv_cpu(q, q, q, lse[:, :, :2], None, 0.3)
+    with pytest.raises(RuntimeError, match="attention_backward_dv_cpu: bias must have at most 4 dims"):
+        torch.ops.omenn.attention_backward_dv_cpu(q, q, q, lse, torch.zeros(1, 1, 1, 5, 5), 0.3)
 
 
 def test_weights_larger_than_one_chunk_go_through_the_op():

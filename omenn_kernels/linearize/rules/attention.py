@@ -311,7 +311,7 @@ def _additive_mask(mask, is_causal: bool, tq: int, tk: int, like: torch.Tensor) 
 
 def _weights_fit_one_chunk(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the CPU would hold all heads' float32 weights in one chunk: then saving them
-    costs less than recomputing them for ``dV``, and little memory."""
+    costs no more than recomputing them for ``dV``, and little memory."""
     return q.device.type == "cpu" and q[..., 0].numel() * k.shape[-2] * 4 <= _CHUNK_BYTES
 
 
