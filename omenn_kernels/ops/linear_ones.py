@@ -31,8 +31,13 @@ def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bi
                    start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`linear_ones` in aten ops (its implementation, and its trace in a compiled explanation)."""
     ones_bar = ones.mean(-1, keepdim=True)
-    value = F.linear(x, weight)
-    return (value if bias is None else value + bias * ones_bar), ones_bar
+    if bias is None:
+        return F.linear(x, weight), ones_bar
+    # b·Ō written first and the product accumulated onto it (β = 1): one pass over the
+    # output besides the product's, as F.linear's copy of its bias.
+    value = ones_bar.expand(*x.shape[:-1], 1) * bias
+    value.view(-1, weight.shape[0]).addmm_(x.reshape(-1, x.shape[-1]), weight.t())
+    return value, ones_bar
 
 
 def _value_and_ones_like(x, ones, weight, bias, *_receiving):
