@@ -14,6 +14,7 @@ module                  op (``torch.ops.omenn``)     CPU                        
 ``linear_ones``         ``linear_ones`` (R1)         ``csrc/linear_ones.cpp``         aten products
                                                      (aten products)
 ``batch_norm_ones``     ``batch_norm_ones`` (R3)     aten products                    aten products
+``layer_norm_ones``     ``layer_norm_ones`` (R3')    ATen's LayerNorm                 ATen's LayerNorm
 ``max_pool``            ``max_pool_indices`` (R13')  ATen's max pooling               ATen's max pooling
                                                      (``csrc/max_pool.cpp`` in
                                                      compiled graphs)
@@ -64,7 +65,8 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
 
     A custom op reaches Inductor as an opaque call, with its inputs and outputs written to
     memory: an activation and the normalization before it are two passes over the
-    activations where Inductor's own kernel makes one. On CUDA every op but attention
+    activations where Inductor's own kernel makes one. LayerNorm's op is traced as aten on
+    every device (ATen's LayerNorm and products, which Inductor fuses with their neighbours). On CUDA every op but attention
     (whose Triton kernels never write the T×T weights) and the convolution's ones backward
     (one Triton kernel where aten needs a window-sum convolution) is traced as aten. On the
     CPU the activations, the convolutions and the linear layers' input gradient are (a traced
@@ -84,13 +86,14 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
     the batch, as in autograd's double backward of a convolution.
     """
     from ..native import available as native_available
-    from . import activation, batch_norm_ones, conv_bias, linear_ones, max_pool
+    from . import activation, batch_norm_ones, conv_bias, layer_norm_ones, linear_ones, max_pool
 
     omenn = torch.ops.omenn
     table = {omenn.activation.default: activation.reference,
              omenn.activation_backward.default: activation.reference_backward,
              omenn.linear_input_grad.default: linear_ones.input_grad,
-             omenn.conv2d_ones.default: conv_bias.value_and_ones}
+             omenn.conv2d_ones.default: conv_bias.value_and_ones,
+             omenn.layer_norm_ones.default: layer_norm_ones.value_and_ones}
     if not differentiable:
         table[omenn.conv2d_input_grad.default] = conv_bias.input_grad
         if device.type == "cpu" and native_available():

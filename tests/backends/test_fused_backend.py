@@ -16,8 +16,9 @@ import torch
 from omenn_kernels import Explainer, explain, native
 from omenn_kernels.linearize.rules import activation as activation_rules
 from omenn_kernels.linearize.rules import conv as conv_rules
-from omenn_kernels.linearize.values import channels_last
-from omenn_kernels.ops import activation, attention, batch_norm_ones, conv_bias, linear_ones, max_pool
+from omenn_kernels.linearize.rules.norm import normalized
+from omenn_kernels.linearize.values import Live, channels_last
+from omenn_kernels.ops import activation, attention, batch_norm_ones, conv_bias, layer_norm_ones, linear_ones, max_pool
 from omenn_kernels.testing import FAMILIES, python_entered, randomize_, relative_distance
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -263,6 +264,38 @@ def test_batch_norm_ones_equals_the_reference_rule(ones_channels):
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
     _opcheck(torch.ops.omenn.batch_norm_ones.default, (x, ones, scale, shift))
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("ones_features", [1, 7])
+def test_layer_norm_ones_equals_the_reference_rule(ones_features, affine):
+    """Against R3' written with autograd (the rule's ``normalized``), float64 to 1e-12: the
+    value, the input's and the ones' gradients, and the parameters' gradient of a loss on
+    those gradients (fixed multipliers: ``1/σ`` held). That second differentiation must not
+    reach the input, whose gradient does not depend on it (``1/σ`` is saved detached)."""
+    torch.manual_seed(5)
+    x = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
+    ones = torch.rand(2, 5, ones_features, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, dtype=torch.float64, requires_grad=True) if affine else None
+    bias = torch.randn(7, dtype=torch.float64, requires_grad=True) if affine else None
+    value, ones_bar, _inverse_scale = layer_norm_ones.layer_norm_ones(x, ones, weight, bias, 1e-5)
+    expected = normalized(Live(x, ones), [-1], weight, bias, 1e-5)
+    torch.testing.assert_close(value, expected.value, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ones_bar, expected.ones, rtol=0, atol=0)
+    grad, grad_bar = torch.randn_like(value), torch.randn_like(ones_bar)
+    got = torch.autograd.grad((value * grad).sum() + (ones_bar * grad_bar).sum(), [x, ones], create_graph=True)
+    want = torch.autograd.grad((expected.value * grad).sum() + (expected.ones * grad_bar).sum(), [x, ones],
+                               create_graph=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    if affine:
+        readout = torch.randn_like(ones)
+        losses = [(g_x.square().sum() + (g_ones * readout).sum()) for g_x, g_ones in (got, want)]
+        got_params, want_params = (torch.autograd.grad(loss, [weight, bias], retain_graph=True) for loss in losses)
+        for g, w in zip(got_params, want_params):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+        assert torch.autograd.grad(losses[0], x, allow_unused=True)[0] is None
+    _opcheck(torch.ops.omenn.layer_norm_ones.default, (x, ones, weight, bias, 1e-5))
 
 
 @pytest.mark.parametrize("silent,receiving", [(slice(0, 6), (6, 9)), (slice(3, 6), (0, 9))],

@@ -10,6 +10,11 @@ Fused op ``omenn::batch_norm_ones`` (R3; :mod:`omenn_kernels.ops.batch_norm_ones
 value ``x·s + b'`` without multiplying by the ones (they are 1 wherever a shift is
 added; R11' fills padded positions with the reference math), and a backward of ``dy·s`` for the input and ``Σ_c dy·b'``
 for the ones.
+
+Fused op ``omenn::layer_norm_ones`` (R3' over the last dim;
+:mod:`omenn_kernels.ops.layer_norm_ones`): ATen's LayerNorm with ``γ``, plus ``β·Ō``, and a
+backward of the centring and the held ``1/σ`` alone. A total parameter gradient, whose
+``1/σ`` follows the parameters through the held value, runs the reference.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from ...ops.batch_norm_ones import batch_norm_ones, channel_view
+from ...ops.layer_norm_ones import layer_norm_ones
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Live, full_ones, plain, reached, with_parameter_gradient
+from ..values import Gate, Live, full_ones, plain, reached, with_parameter_gradient
 
 aten = torch.ops.aten
 
@@ -92,14 +98,32 @@ def normalized(x: Live, dims: list[int], weight, bias, eps: float, centre: bool 
     return Live(value, ones)
 
 
-def _layer_norm(op, *args, **kwargs):
-    x, shape, weight, bias, eps = arguments(op, args, kwargs)[:5]
-    dims = list(range(-len(shape), 0))
-    out = normalized(x, dims, weight, bias, eps)
+def _as_op_result(op, x: Live, out: Live):
+    """``aten.native_layer_norm`` also returns the mean and ``1/σ`` (unused by a linearized model)."""
     if op is aten.native_layer_norm.default:
         empty = x.value.new_empty(0)
         return out, empty, empty
     return out
+
+
+def _layer_norm(op, *args, **kwargs):
+    x, shape, weight, bias, eps = arguments(op, args, kwargs)[:5]
+    return _as_op_result(op, x, normalized(x, list(range(-len(shape), 0)), weight, bias, eps))
+
+
+def _fused_layer_norm(op, *args, value_gradient: bool = False, **kwargs):
+    """R3' through ``omenn::layer_norm_ones`` over one normalized dim, where ``1/σ`` is held
+    with respect to the parameters too (no held value: first-order or fixed multipliers)."""
+    x, shape, weight, bias, eps = arguments(op, args, kwargs)[:5]
+    if len(shape) != 1 or x.held is not None or value_gradient or isinstance(weight, (Live, Gate)) or \
+            isinstance(bias, (Live, Gate)):
+        return _layer_norm(op, *args, **kwargs)
+    ones_bar = x.ones.mean(-1, keepdim=True)
+    if bias is not None and reached(ones_bar) is not ones_bar:  # R11' fills padded positions: the reference math
+        return _layer_norm(op, *args, **kwargs)
+    ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
+    value, ones_bar, _inverse_scale = layer_norm_ones(x.value, ones, weight, bias, eps)
+    return _as_op_result(op, x, Live(value, ones_bar))
 
 
 def _rms_norm(op, *args, **kwargs):
@@ -137,7 +161,8 @@ register([aten._native_batch_norm_legit_no_training],
          Rule("R3 BatchNorm (eval)", _batch_norm_no_training, _fused_batch_norm_no_training,
               fused_differentiable=True, held_multipliers=False))
 register([aten.batch_norm], Rule("R3 BatchNorm (eval)", _batch_norm, held_multipliers=False))
-register([aten.layer_norm, aten.native_layer_norm], Rule("R3' LayerNorm", _layer_norm))
+register([aten.layer_norm, aten.native_layer_norm],
+         Rule("R3' LayerNorm", _layer_norm, _fused_layer_norm, fused_differentiable=True))
 register([aten.rms_norm], Rule("R3' RMSNorm", _rms_norm))
 register([aten.group_norm], Rule("R3' GroupNorm", _group_norm))
 register([aten.native_group_norm], Rule("R3' GroupNorm", _native_group_norm))
