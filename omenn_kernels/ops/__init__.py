@@ -66,9 +66,10 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
     A custom op reaches Inductor as an opaque call, with its inputs and outputs written to
     memory: an activation and the normalization before it are two passes over the
     activations where Inductor's own kernel makes one. LayerNorm's op is traced as aten on
-    every device (ATen's LayerNorm and products, which Inductor fuses with their neighbours). On CUDA every op but attention
-    (whose Triton kernels never write the T×T weights) and the convolution's ones backward
-    (one Triton kernel where aten needs a window-sum convolution) is traced as aten. On the
+    every device (ATen's LayerNorm and products, which Inductor fuses with their
+    neighbours). On CUDA every op but attention (whose Triton kernels never write the T×T
+    weights) and the convolution's ones backward (one Triton kernel where aten needs a
+    window-sum convolution) is traced as aten. On the
     CPU the activations, the convolutions and the linear layers' input gradient are (a traced
     convolution is called by the compiled graph itself, not through a custom op's Python
     call); attention (``csrc/attention.cpp``, never the T×T weights), BatchNorm and the
