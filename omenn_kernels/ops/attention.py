@@ -68,7 +68,7 @@ def _attention_backward_dv_cpu_like(q, k, grad, lse, bias, scale):
     return grad.new_empty(q.shape[0], q.shape[1], k.shape[-2], grad.shape[-1])
 
 
-# ``csrc/attention.cpp``: one (batch, head) at a time, ``P`` one row of keys at a time.
+# ``csrc/attention.cpp``: one (batch, head) per task, ``P`` for four query rows at a time.
 attention_cpu = define_cpu_op("attention_cpu(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) "
                               "-> (Tensor, Tensor)", _attention_cpu_like)
 attention_backward_dv_cpu = define_cpu_op("attention_backward_dv_cpu(Tensor q, Tensor k, Tensor grad, "
