@@ -99,4 +99,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "have reordered into oneDNN's layout in this process");
   m.def("clear_packed_weights", &omenn_cpu::clear_packed_weights,
         "drop every reordered weight the packed convolutions keep; returns how many there were");
+  m.def("forget_packed_weight", &omenn_cpu::forget_packed_weight,
+        "drop the reordered copies of one weight (every entry of its storage); returns how many there were");
 }

@@ -10,7 +10,9 @@
 // lives; a detached view of a parameter, new at every call, has the parameter's storage),
 // offset, sizes and strides, and is reordered again where the storage's data or the
 // weight's version counter (shared with its views) changed: in-place updates, `.data`
-// rebinding. Entries of storages that no longer exist are dropped at the next lookup.
+// rebinding. A write through `.data` moves neither: the caller drops the weight's entries
+// (forget_packed_weight). Entries of storages that no longer exist are dropped at the next
+// lookup.
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -141,6 +143,14 @@ int64_t clear_packed_weights() {
   const auto kept = static_cast<int64_t>(cache.size());
   cache.clear();
   return kept;
+}
+
+int64_t forget_packed_weight(const at::Tensor& weight) {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  const c10::StorageImpl* storage = weight.storage().unsafeGetStorageImpl();
+  const auto before = static_cast<int64_t>(cache.size());
+  cache.remove_if([&](const Entry& entry) { return entry.storage._unsafe_get_target() == storage; });
+  return before - static_cast<int64_t>(cache.size());
 }
 
 at::Tensor conv2d_packed(const at::Tensor& x, const at::Tensor& weight,

@@ -104,4 +104,8 @@ int64_t packed_weight_reorders();
 // many there were.
 int64_t clear_packed_weights();
 
+// Drops the reordered copies of `weight` (every entry of its storage); returns how many there were.
+// For a change the version counter does not show: a write through `.data`.
+int64_t forget_packed_weight(const at::Tensor& weight);
+
 }  // namespace omenn_cpu

@@ -24,6 +24,7 @@ reaches C++ without a Python frame per call. The module's Python functions:
 - ``conv_bias_ones_backward(grad, bias, grad_ones_out, S, H, W, kh, kw, sh, sw, ph, pw, dh, dw)``
 - ``packed_weight_reorders()``: how many weights the packed convolutions reordered so far
 - ``clear_packed_weights()``: drop the reordered weights they keep (returns how many)
+- ``forget_packed_weight(weight)``: drop the reordered copies of one weight (returns how many)
 """
 
 from __future__ import annotations

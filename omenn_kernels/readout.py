@@ -19,7 +19,10 @@ class ReadoutFunction:
     operations only: no Python branch on values, no ``.item()``, no state. The compiled
     backend traces it into the explanation's graph (once per ``function`` object and
     shapes of ``arguments``; keep the same function object across calls), with the
-    arguments as graph inputs, so that new argument values are read at every call. A plain
+    tensor arguments as graph inputs, so that new argument values are read at every call;
+    other arguments (a number ``k``, a string) are baked into the graph, and a new value
+    is traced and compiled anew (an unhashable one, such as a list, runs on the fused
+    backend). A plain
     callable given to :meth:`Explainer.explain_targets` runs on the fused backend instead,
     since what it reads besides the logits would be baked into a graph.
 

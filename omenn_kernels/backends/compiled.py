@@ -25,9 +25,11 @@ batch sizes (:func:`~omenn_kernels.capture.capture`) is traced and compiled once
 per batch size, without capturing or linearizing again.
 
 The model's parameters enter the graph as the tensors themselves, so in-place updates
-(optimizer steps, ``load_state_dict``) are seen, and the constants computed from them are
-refreshed before a run that follows such an update; a re-bound parameter is a structural
-change, on which the :class:`~omenn_kernels.api.Explainer` captures and compiles anew.
+(optimizer steps, ``load_state_dict``, writes through ``.data``) are seen, and the
+constants computed from them (folded and reordered kernels) are refreshed before a run that
+follows a change of their values (:mod:`~omenn_kernels.backends.watched`); a re-bound
+parameter is a structural change, on which the :class:`~omenn_kernels.api.Explainer`
+captures and compiles anew.
 
 Explanations differentiable with respect to the parameters (``create_graph``, the
 training path) are traced the same way, the backward to the input and the ones with its
@@ -44,9 +46,10 @@ require a gradient. Its check at compile time also compares the parameter gradie
 a random projection of the explanation with the fused backend's.
 
 Read-outs given as a :class:`~omenn_kernels.readout.ReadoutFunction` are traced into the
-graph, with their tensor arguments as graph inputs. Run on the fused backend instead:
+graph, with their tensor arguments as graph inputs and their other arguments (numbers,
+strings, tuples) baked in, part of the signature. Run on the fused backend instead:
 read-outs given as any other function of the logits (what such a function reads
-besides the logits would be baked into the graph), and any signature whose trace or
+besides the logits would be baked into the graph) or with an unhashable argument, and any signature whose trace or
 compilation failed (one warning naming the cause; the explanation is the fused
 backend's).
 """
@@ -74,8 +77,10 @@ from . import fused
 from .executor import ParameterGradient
 from .layout import in_layout_of, runs_channels_last
 from .parameter_only import ParameterDerived, hoist_parameter_only
-from .packed_weights import forget_reordered_kernels, pack_constant_convolutions, packing_available
+from .packed_weights import (constant_kernels, forget_reordered_kernel, forget_reordered_kernels,
+                             pack_constant_convolutions, packing_available)
 from .shape_only import fold_shape_only
+from .watched import Watch
 
 log = logging.getLogger("omenn_kernels.compiled")
 
@@ -164,6 +169,15 @@ class CompiledExplanation:
     run: Callable
     seconds: float  # tracing and compiling
     parameter_derived: ParameterDerived | None  # constants computed from the parameters; refreshed before each run
+    packed_kernels: Watch | None  # the model's kernels that packed convolutions read reordered
+
+    def refresh(self) -> None:
+        """Bring what the graph keeps between runs up to date with the model's parameters and buffers."""
+        if self.parameter_derived is not None:
+            self.parameter_derived.refresh()
+        if self.packed_kernels is not None:
+            for kernel in self.packed_kernels.changed():
+                forget_reordered_kernel(kernel)
 
 
 # What compiles a traced explanation; tests may swap in a cheaper one (the traced graph itself).
@@ -179,7 +193,8 @@ def _laid_out(x: torch.Tensor, target, channels_last: bool) -> tuple[torch.Tenso
     target's tensors contiguous."""
     x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     if isinstance(target, ReadoutFunction):
-        return x, ReadoutFunction(target.function, tuple(a.contiguous() for a in target.arguments))
+        return x, ReadoutFunction(target.function, tuple(a.contiguous() if isinstance(a, torch.Tensor) else a
+                                                         for a in target.arguments))
     return x, target.contiguous() if isinstance(target, torch.Tensor) else target
 
 
@@ -200,8 +215,23 @@ def _signature(x: torch.Tensor, channels_last: bool, target, parameter_gradient:
         return (kind, images, autocast, differentiation)
     if kind == "function":
         return (kind, images, target.function,
-                tuple((tuple(a.shape), a.dtype, a.device) for a in target.arguments), autocast, differentiation)
+                tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else _constant(a)
+                      for a in target.arguments), autocast, differentiation)
     return (kind, images, tuple(target.shape), target.dtype, target.device, autocast, differentiation)
+
+
+def _constant(value: object) -> tuple:
+    """A read-out function's argument that is not a tensor, as its signature holds it: the graph
+    bakes its value in."""
+    return ("constant", type(value), value)
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 def _target_kind(target) -> str:
@@ -233,15 +263,19 @@ def _graph_inputs(x: torch.Tensor, target, trained: dict[str, torch.Tensor]) -> 
     if target is None:
         head = [x]
     elif isinstance(target, ReadoutFunction):
-        head = [x, *target.arguments]
+        head = [x, *(a for a in target.arguments if isinstance(a, torch.Tensor))]
     else:
         head = [x, target]
     return head + list(trained.values())
 
 
 def _compilable(target) -> bool:
-    """Whether explanations of ``target`` are compiled (else they run on the fused backend)."""
-    return not callable(target) or isinstance(target, ReadoutFunction)
+    """Whether explanations of ``target`` are compiled (else they run on the fused backend): not a
+    plain function, nor a read-out function with an argument that is neither a tensor nor
+    hashable (a list: the signature could not hold its value)."""
+    if isinstance(target, ReadoutFunction):
+        return all(isinstance(a, torch.Tensor) or _hashable(a) for a in target.arguments)
+    return not callable(target)
 
 
 def replays(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, target,
@@ -279,8 +313,7 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     # A first-order graph holds the backward already and its parameters need none; a
     # differentiable one records its compiled backward for the caller's loss.
     with torch.set_grad_enabled(parameter_gradient is not None), CAPTURE_LOCK:
-        if compiled.parameter_derived is not None:
-            compiled.parameter_derived.refresh()
+        compiled.refresh()
         outputs = compiled.run(*_graph_inputs(x, target, trained))
     return in_layout_of(given, channels_last, _owned(outputs, x, parameter_gradient))
 
@@ -327,7 +360,9 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         # The trained parameters (inputs[head:]) are the model's own tensors: the trace reads
         # them through the model and records them as these inputs.
         if isinstance(target, ReadoutFunction):
-            traced_target = ReadoutFunction(target.function, tuple(inputs[1:head]))
+            tensors = iter(inputs[1:head])
+            traced_target = ReadoutFunction(target.function, tuple(
+                next(tensors) if isinstance(a, torch.Tensor) else a for a in target.arguments))
         else:
             traced_target = inputs[1] if head > 1 else None
         weight, bias, explained, chosen, logits = fused.explain_batch(program, model, inputs[0], traced_target,
@@ -393,7 +428,11 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
              f", differentiable ({parameter_gradient}, {len(trained)} parameter tensors)" if differentiable else "",
              seconds, sum(node.op == "call_function" for node in graph.graph.nodes), folded,
              len(parameter_derived.values) if parameter_derived is not None else 0, packed)
-    return CompiledExplanation(graph, compiled, seconds, parameter_derived), result
+    # The folded kernels are the library's own, changed by refreshes that the C++ side sees.
+    derived = {id(value) for value in parameter_derived.values} if parameter_derived is not None else set()
+    kernels = [kernel for kernel in constant_kernels(graph) if id(kernel) not in derived]
+    return CompiledExplanation(graph, compiled, seconds, parameter_derived, Watch(kernels) if kernels else None), \
+        result
 
 
 def _detached(outputs) -> tuple[torch.Tensor, ...]:

@@ -11,7 +11,10 @@ and each of their input gradients, call ``omenn::conv2d_packed_cpu`` and
 ``csrc/conv_packed.cpp``): ATen's oneDNN convolution and transposed convolution on a
 reordered copy of the kernel, which the C++ side keeps until the kernel changes (its
 version counter or storage), so that optimizer steps and refreshed folded kernels are seen;
-a replay reorders nothing.
+a replay reorders nothing. A write through ``.data`` moves neither: the compiled backend
+watches the values of the model's own kernels that the packed ops read
+(:func:`constant_kernels`, :mod:`~omenn_kernels.backends.watched`) and has their
+reordered copies dropped (:func:`forget_reordered_kernel`) when they changed.
 
 The price is memory: one reordered copy of each such kernel per direction, kept until the
 kernel's storage is freed (then dropped at the next packed call).
@@ -45,6 +48,24 @@ def forget_reordered_kernels() -> None:
     """Drop every reordered kernel kept (a graph that will not run keeps none alive; the
     others are reordered again at their next call)."""
     cpu_kernels().clear_packed_weights()
+
+
+def forget_reordered_kernel(kernel: torch.Tensor) -> None:
+    """Drop the reordered copies of ``kernel``: reordered again at their next call."""
+    cpu_kernels().forget_packed_weight(kernel)
+
+
+def constant_kernels(module: GraphModule) -> list[torch.Tensor]:
+    """The constant kernels that ``module``'s packed convolutions read, each once."""
+    kernels: dict[int, torch.Tensor] = {}
+    for node in module.graph.nodes:
+        if node.target in (conv2d_packed_cpu, conv2d_input_grad_packed_cpu):
+            weight = node.args[1]
+            while weight.target in _ALIASES:
+                weight = weight.args[0]
+            kernel = operator.attrgetter(weight.target)(module)
+            kernels[id(kernel)] = kernel
+    return list(kernels.values())
 
 
 def pack_constant_convolutions(module: GraphModule) -> int:

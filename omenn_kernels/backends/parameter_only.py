@@ -13,14 +13,16 @@ A first-order explanation's graph holds the parameters as the tensors themselves
 arithmetic and feeds the rest of the graph into a prelude, and has the graph read it as
 a constant (a kernel in its convolution's input layout). The constants are kept between
 calls: :meth:`ParameterDerived.refresh`, called before every run, computes them again,
-in place, where a parameter or buffer they come from changed since — its version counter
-(any in-place write: optimizer steps, ``load_state_dict``) or its storage (``.data =``).
+in place, where the values of a parameter or buffer they come from changed since, by any
+route: optimizer steps, ``load_state_dict``, ``.data =``, and in-place writes through
+``.data``, which move neither version counter nor storage (values are compared with a
+copy, :mod:`~omenn_kernels.backends.watched`).
 A parameter that a differentiable explanation trains is a graph input, not a
 ``get_attr``, so nothing computed from it is taken out.
 
 The price is memory: the constants live as long as a compiled explanation that reads them,
 one folded copy of each folded convolution's kernel, shared by the graphs of every
-signature (batch size) of the model.
+signature (batch size) of the model, and one copy of the parameters they come from.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch.fx import GraphModule, Node
 
 from ..linearize.values import channels_last
 from .shape_only import foldable_op, free, with_arithmetic, written_in_place
+from .watched import Watch
 
 aten = torch.ops.aten
 
@@ -59,20 +62,15 @@ class ParameterDerived:
         self.prelude = prelude
         self.values = values
         self.sources = sources
-        self._state = self._read_state()
-
-    def _read_state(self) -> list[tuple[int, int]]:
-        return [(source._version, source.data_ptr()) for source in self.sources]
+        self._watch = Watch(sources)
 
     def refresh(self) -> None:
-        """Compute the values again, in place, if a source changed since they were computed."""
-        state = self._read_state()
-        if state == self._state:
+        """Compute the values again, in place, if a source's values changed since they were computed."""
+        if not self._watch.changed():
             return
         with torch.no_grad():
             for value, fresh in zip(self.values, self.prelude()):
                 value.copy_(fresh)
-        self._state = state
 
 
 def hoist_parameter_only(module: GraphModule) -> ParameterDerived | None:
