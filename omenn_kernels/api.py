@@ -22,6 +22,9 @@ from .readout import ReadoutFunction
 
 log = logging.getLogger("omenn_kernels.api")
 
+# Linearized programs an Explainer keeps (one per input signature), the least recently used dropped first.
+MAX_PROGRAMS = 8
+
 Target = Union[int, Sequence[int], torch.Tensor, None]
 Readouts = Union[torch.Tensor, ReadoutFunction, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -227,9 +230,15 @@ class Explainer:
     buffers are as before. Parameters are read at every call, so the explanations
     follow training. A change of the model's structure that a capture bakes in (forward
     hooks and pre-hooks, global module hooks, replaced submodules, parameters or buffers
-    re-bound to other tensors, a forward set on an instance; see
+    re-bound to other tensors, a forward set on an instance, a plain attribute such as
+    ``self.scale`` or timm's ``global_pool``; see
     :class:`~omenn_kernels.capture.ModelStructure`) is noticed at the next call, which
     captures the model again (logged at INFO).
+
+    One program is kept per input signature (shape, dtype, device; a program captured
+    from a batch of two or more serves other batch sizes), at most :data:`MAX_PROGRAMS`,
+    the least recently used dropped first; the compiled backend keeps at most
+    :data:`~omenn_kernels.backends.compiled.MAX_COMPILED` compiled graphs per program.
 
     Thread-safe: threads may share an ``Explainer``, and several ``Explainer`` objects
     may run at once; captures run one at a time, and so do explanations on the fused and
@@ -279,8 +288,8 @@ class Explainer:
             raise TypeError(f"feature_dim must be an int or None, got {type(feature_dim).__name__}")
         self.feature_dim = feature_dim
         self._run = backends.resolve(backend)
-        # Per (input shape, dtype, device); a program that serves a range of batch sizes has
-        # the shape (None, C, H, W) and the range after the device.
+        # Per (input shape, dtype, device), the most recently used last; a program that serves
+        # a range of batch sizes has the shape (None, C, H, W) and the range after the device.
         self._programs: dict[tuple, tuple[LinearizedProgram, int]] = {}
         self._structure: ModelStructure | None = None  # the model's structure the programs were captured with
         self._lock = threading.RLock()  # so that two threads do not capture the same signature
@@ -310,8 +319,10 @@ class Explainer:
             # A program that serves a range of batch sizes is kept under the shape (None, C, H, W).
             key = (tuple(x.shape), x.dtype, x.device) if captured.batch_range is None else \
                 ((None, *x.shape[1:]), x.dtype, x.device, captured.batch_range)
-            self._programs[key] = (program, int(shape[1]))
-            return self._programs[key]
+            self._programs[key] = entry = (program, int(shape[1]))
+            while len(self._programs) > MAX_PROGRAMS:  # the least recently used first
+                self._programs.pop(next(iter(self._programs)))
+            return entry
 
     def _cached_program(self, x: torch.Tensor) -> tuple[LinearizedProgram, int] | None:
         """The cached program for ``x``'s signature, or None (the cache dropped first if the
@@ -324,10 +335,12 @@ class Explainer:
                              self._structure.changes(self.model))
                 self._programs = {}
                 self._structure = ModelStructure.record(self.model)
-            for (shape, dtype, device, *_), entry in self._programs.items():
+            for key, entry in self._programs.items():
+                shape, dtype, device = key[:3]
                 if (shape, dtype, device) == (tuple(x.shape), x.dtype, x.device) or \
                         (shape, dtype, device) == (any_batch, x.dtype, x.device) and \
                         entry[0].captured.serves_batch(x.shape[0]):
+                    self._programs[key] = self._programs.pop(key)  # now the most recently used
                     return entry
             return None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import reprlib
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -332,6 +333,9 @@ def _structure_key(model: torch.nn.Module) -> list:
         for table in (state.get("_parameters") or {}, state.get("_buffers") or {}):
             for name, tensor in table.items():
                 append((name, id(tensor), tensor.shape, tensor.dtype) if tensor is not None else (name, None))
+        plain = _plain_attributes(state)
+        if plain:
+            append(plain)
         children = state.get("_modules")
         if children:
             append(tuple(children))
@@ -357,9 +361,35 @@ def _describe(model: torch.nn.Module) -> tuple[dict[str, dict], list]:
             "pre_hooks": tuple(state.get("_forward_pre_hooks") or ()),
             "hooks": tuple(state.get("_forward_hooks") or ()),
             "forward": None if forward is None else id(forward), "tensors": tensors,
+            "attributes": dict(_plain_attributes(state)),
         }
         objects.extend((module, forward))
     return described, objects
+
+
+# What every module's __dict__ holds for nn.Module itself (``training`` included: a capture
+# runs in eval mode whatever the flag).
+_MODULE_STATE = frozenset(torch.nn.Module().__dict__)
+_PLAIN = frozenset({bool, int, float, complex, str, type(None)})
+
+
+def _plain_attributes(state: dict) -> tuple:
+    """A module's plain attributes (numbers, strings, booleans, None, and tuples and lists of
+    them) as ``(name, value)`` pairs, lists as tuples. Values are compared by ``==`` after
+    identity, so that an unchanged NaN stays equal."""
+    plain = []
+    for name, value in state.items():
+        kind = type(value)
+        if kind in _PLAIN:
+            if name not in _MODULE_STATE:
+                plain.append((name, value))
+        elif (kind is tuple or kind is list) and _plain_sequence(value):
+            plain.append((name, value if kind is tuple else tuple(value)))
+    return tuple(plain)
+
+
+def _plain_sequence(values: tuple | list) -> bool:
+    return all(type(value) in _PLAIN or type(value) in (tuple, list) and _plain_sequence(value) for value in values)
 
 
 def _name(path: str) -> str:
@@ -399,7 +429,18 @@ def _module_changes(path: str, old: dict, new: dict) -> list[str]:
             changes.append(change)
     changes.extend(f"{slot[0]} '{prefix}{name}' was added" for name, slot in new["tensors"].items()
                    if name not in old["tensors"])
+    for name in old["attributes"].keys() | new["attributes"].keys():
+        before, after = old["attributes"].get(name, _ABSENT), new["attributes"].get(name, _ABSENT)
+        if before is not after and before != after:
+            changes.append(f"the attribute '{prefix}{name}' changed from {_shown(before)} to {_shown(after)}")
     return changes
+
+
+_ABSENT = object()
+
+
+def _shown(value: object) -> str:
+    return "absent" if value is _ABSENT else reprlib.repr(value)
 
 
 @dataclass
@@ -408,11 +449,13 @@ class ModelStructure:
 
     Recorded with the capture: the model's forward (pre-)hooks and the process-wide
     module hooks, every submodule (by path, object and class), forwards set on
-    instances, and which tensor objects the parameters and buffers are, with their
-    shapes and dtypes. Their values are not part of it: in-place updates (optimizer
-    steps, ``load_state_dict``) are read at every call anyway. Plain attributes of the
-    modules (``conv.stride``, a tensor that is not a buffer, Python numbers) are not
-    watched.
+    instances, which tensor objects the parameters and buffers are, with their shapes and
+    dtypes, and each module's plain attributes that a capture bakes in: numbers,
+    strings, booleans, None, and tuples and lists of them (``self.scale``, timm's
+    ``global_pool``, ``conv.stride``), but ``training``, which a capture sets itself.
+    The tensors' values are not part of it: in-place updates (optimizer steps,
+    ``load_state_dict``) are read at every call anyway. Not watched: attributes of
+    other kinds (a tensor that is not a buffer, a config object, a dict).
     """
 
     key: list

@@ -1,7 +1,8 @@
 """An ``Explainer`` stays true to its model, and is thread-safe.
 
 * Structural changes a capture bakes in (forward hooks and pre-hooks, global module
-  hooks, replaced submodules, re-bound parameters, a forward set on an instance) are
+  hooks, replaced submodules, re-bound parameters, a forward set on an instance, plain
+  attributes such as ``self.scale`` or timm's ``global_pool``) are
   noticed at the next call: the model is captured again, and the explanation equals a
   fresh ``Explainer``'s and sums to the changed model's logit. In-place updates
   (optimizer steps, ``load_state_dict``, ``train()``/``eval()``) are not structural and
@@ -215,6 +216,56 @@ def test_forward_replaced_on_an_instance(caplog):
         e = explainer(x, 0)
     assert_true_to_model(e, model, x, 0)
     assert recapture_logged(caplog, "the forward of '3' was replaced on the instance")
+
+
+class _Scaled(nn.Module):
+    """A layer that multiplies by a plain float attribute, which a capture bakes into its graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+        self.mode = "plain"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale if self.mode == "plain" else x * self.scale - 1.0
+
+
+@pytest.mark.parametrize("change", ["number", "string"])
+def test_plain_attribute_changed_after_the_first_call(change, captures, caplog):
+    model, x = make_cnn(), make_input()
+    model.insert(3, _Scaled())
+    explainer = Explainer(model)
+    before = explainer(x, 2)
+    if change == "number":
+        model[3].scale = -2.0
+        logged = "the attribute '3.scale' changed from 1.0 to -2.0"
+    else:
+        model[3].mode = "shifted"
+        logged = "the attribute '3.mode' changed from 'plain' to 'shifted'"
+    with caplog.at_level(logging.INFO, logger="omenn_kernels.api"):
+        after = explainer(x, 2)
+    explainer(x, 2)
+    assert len(captures) == 2  # once more after the change, not again while it stays
+    assert recapture_logged(caplog, logged)
+    assert not torch.allclose(after.logit, before.logit)
+    assert_true_to_model(after, model, x, 2)
+
+
+def test_timm_global_pool_changed_after_the_first_call(captures):
+    """parts_vit (timm's VisionTransformer) pooled by its class token, then by the average of its tokens."""
+    from omenn_kernels.models import parts_vit
+
+    torch.manual_seed(0)
+    model = randomize_(parts_vit(depth=1).to(DT), seed=0, scale=0.5).eval()
+    x = torch.randn(2, 3, 96, 96, generator=torch.Generator().manual_seed(1), dtype=DT)
+    explainer = Explainer(model, backend="fused")
+    explainer(x, 1)
+    model.global_pool = "avg"
+    after = explainer(x, 1)
+    assert len(captures) == 2
+    with torch.no_grad():
+        logit = model(x)[:, 1]
+    assert float(((after.contribution.sum((1, 2)) - logit).abs() / logit.abs()).max()) <= RTOL_COMPLETE
 
 
 def test_in_place_updates_and_mode_changes_are_not_captured_again(captures):
