@@ -103,6 +103,13 @@ def _parser() -> argparse.ArgumentParser:
                               "default on machines of up to 2 cores, where worker processes take the "
                               "model's cores)")
     explain.add_argument("--overwrite", action="store_true", help="replace an existing store instead of resuming")
+    explain.add_argument("--allow-mixed", action="store_true",
+                         help="resume a store whose explained images come from another backend (a compiled run's "
+                         "fallback to fused included) or another omenn_kernels or torch version; refused by "
+                         "default, as it mixes their numbers")
+    explain.add_argument("--no-verify", dest="verify", action="store_false",
+                         help="resume without first reading back the batches marked done (by default a resumed run "
+                         "reads the finished part of the store once and explains damaged batches again)")
 
     show = commands.add_parser("show", parents=[common], help="draw overlays from an attribution store", epilog=_EPILOG)
     show.add_argument("store", type=Path)
@@ -145,7 +152,7 @@ def _explain(args: argparse.Namespace) -> int:
         pretrained=args.pretrained, num_classes=args.num_classes, targets=args.targets,
         batch_size=args.batch_size, dtype=args.dtype, device=args.device, backend=args.backend,
         store_dtype=args.store_dtype, components=args.components, workers=args.workers,
-        overwrite=args.overwrite, progress=not args.quiet))
+        overwrite=args.overwrite, progress=not args.quiet, allow_mixed=args.allow_mixed, verify=args.verify))
     return EXIT_FAILED_IMAGES if summary.totals.get("failed") else EXIT_OK
 
 

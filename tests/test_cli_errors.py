@@ -21,6 +21,7 @@ import timm
 import torch
 from safetensors.torch import save_file
 
+from omenn_kernels.bulk import AttributionStore
 from omenn_kernels.bulk.model_source import load_model
 from omenn_kernels.cli import EXIT_ERROR, EXIT_USAGE, main
 from omenn_kernels.errors import ModelLoadError
@@ -216,3 +217,45 @@ def test_a_count_that_is_not_an_integer_is_named(option, tmp_path, capsys):
         main(["explain", str(tmp_path), "--out", str(tmp_path / "s.zarr"), "--model", "parts_cnn", option, "ten"])
     assert exit_.value.code == EXIT_USAGE
     assert f"argument {option}: must be an integer ≥ 1, got 'ten'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["meta", "mps"])
+def test_a_device_that_cannot_explain_is_named(device, parts_folder, tmp_path, capsys):
+    out = tmp_path / "s.zarr"
+    assert main(["explain", str(parts_folder), "--out", str(out), "--model", "parts_cnn", "--device", device,
+                 "-q"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err == f"omenn explain: error: device '{device}' cannot run omenn explain: it explains on cpu, cuda or " \
+                  "cuda:N\n"
+    assert not out.exists()
+
+
+def test_pretrained_weights_that_cannot_be_fetched_are_named(parts_folder, tmp_path, monkeypatch, capsys):
+    """Without a network: the hub in offline mode (no waiting for connection time-outs), its cache empty."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    expected = f"the pretrained weights of the timm model '{TIMM_MODEL}' could not be fetched"
+    with pytest.raises(ModelLoadError, match=expected):
+        load_model(TIMM_MODEL, pretrained=True)
+    out = tmp_path / "s.zarr"
+    assert main(["explain", str(parts_folder), "--out", str(out), "--model", TIMM_MODEL, "--pretrained",
+                 "--workers", "0", "-q"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err and "--checkpoint" in err
+    assert not out.exists()
+
+
+def test_show_into_a_file_is_named(tmp_path, capsys):
+    store = tmp_path / "s.zarr"
+    AttributionStore.create(store, paths=["a.png", "b.png"], labels=[0, 1], target_count=1, classes=3,
+                            image_shape=(3, 4, 4), batch_size=2, store_dtype="float32", components=("contribution",),
+                            attributes={})
+    a_file = tmp_path / "overlays.png"
+    a_file.write_bytes(b"an image of mine")
+    for out in (a_file, a_file / "sub"):
+        assert main(["show", str(store), "--out", str(out), "-q"]) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(out) in err, err
+    assert a_file.read_bytes() == b"an image of mine"

@@ -10,8 +10,17 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from ..errors import OptionError
 from . import compiled, fused, reference
+
+
+def resolved_name(name: str, device: torch.device) -> str:
+    """The backend that ``name`` runs on ``device``: ``auto`` resolved (see :func:`_fastest`)."""
+    if name != "auto":
+        return name
+    return "fused" if device.type == "cpu" else "reference"
 
 
 def _fastest(program, model, x, target, parameter_gradient=None) -> tuple:
@@ -26,8 +35,7 @@ def _fastest(program, model, x, target, parameter_gradient=None) -> tuple:
     compiled, but its compilation of about a minute per signature pays off only after
     900–1,100 batches of the same shape).
     """
-    backend = fused if x.device.type == "cpu" else reference
-    return backend.explain_batch(program, model, x, target, parameter_gradient)
+    return BACKENDS[resolved_name("auto", x.device)](program, model, x, target, parameter_gradient)
 
 
 BACKENDS: dict[str, Callable] = {"reference": reference.explain_batch, "fused": fused.explain_batch,

@@ -12,7 +12,7 @@ from PIL import Image
 from torch import nn
 
 from .. import models
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, first_line
 
 # The shipped models see the drawn images as they are: 96×96, values in [0, 1].
 _SHIPPED_DATA_CONFIG = {"input_size": (3, 96, 96), "interpolation": "bilinear", "mean": (0.0, 0.0, 0.0),
@@ -84,7 +84,8 @@ def load_model(name: str, *, checkpoint: str | Path | None = None, pretrained: b
             ``num_classes`` below 1 or that a shipped model does not have, or a checkpoint
             that does not exist, cannot be read or does not fit the model (the message
             names the file, what is wrong, and for a head of another size the
-            ``--num-classes`` that fits).
+            ``--num-classes`` that fits), or pretrained weights that cannot be fetched (no
+            network, and not in the Hugging Face cache).
     """
     if num_classes is not None and num_classes < 1:
         raise ModelLoadError(f"num_classes must be at least 1, got {num_classes}")
@@ -112,7 +113,14 @@ def load_model(name: str, *, checkpoint: str | Path | None = None, pretrained: b
     if pretrained and checkpoint is not None:
         raise ModelLoadError("give either --pretrained or --checkpoint, not both")
     options = {} if num_classes is None else {"num_classes": num_classes}
-    model = timm.create_model(name, pretrained=pretrained, **options)
+    try:
+        model = timm.create_model(name, pretrained=pretrained, **options)
+    except OSError as error:  # the hub's and urllib's errors, offline mode's included
+        if not pretrained:
+            raise
+        raise ModelLoadError(f"the pretrained weights of the timm model {name!r} could not be fetched "
+                             f"({first_line(error)}); connect to the network, or download the weights where "
+                             "there is one and pass --checkpoint PATH") from error
     if checkpoint is not None:
         heads = model.pretrained_cfg.get("classifier") or ()
         models.load_weights(model, checkpoint, model_name=f"the timm model {name!r}",

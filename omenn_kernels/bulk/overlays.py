@@ -42,6 +42,16 @@ def completeness(store: AttributionStore, indices: list[int] | None = None) -> l
     return rows
 
 
+def _check_folder(out: Path) -> None:
+    """Raise OptionError if ``out`` is a file, or its path runs through one (checked before any reading)."""
+    for folder in (out, *out.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "is a file, not a folder" if folder == out else f"cannot be created: {folder} is a file"
+                raise OptionError(f"the overlay folder {out} {where}; give a folder for target<t>.png")
+            return
+
+
 def write_overlays(store: AttributionStore, out: str | Path, *, indices: list[int] | None = None,
                    limit: int = 16, source: str | Path | None = None, postprocessed: bool = False) -> list[Path]:
     """One PNG per target: the contribution maps of the chosen images over the images.
@@ -56,11 +66,15 @@ def write_overlays(store: AttributionStore, out: str | Path, *, indices: list[in
             smoothed) instead of the raw signed ones.
 
     Raises:
-        StoreError: the store holds no explained image to draw.
-        OptionError: an index that is out of range or not explained.
+        StoreError: the store holds no explained image to draw, or a chunk file of it that
+            cannot be decoded.
+        OptionError: an index that is out of range or not explained; ``out`` is a file, or
+            a folder that cannot be created.
         ImageSourceError: an image file is no longer in the source folder.
         ImageDecodeError: an image file that no longer decodes.
     """
+    out = Path(out)
+    _check_folder(out)
     status = store.status()
     if indices is None:
         indices = np.flatnonzero(status == EXPLAINED)[:limit].tolist()
@@ -84,7 +98,10 @@ def write_overlays(store: AttributionStore, out: str | Path, *, indices: list[in
     contributions = torch.from_numpy(store.read("contribution", indices).astype(np.float32))
     explained = store.read("explained", indices)
     pairs = store.read("targets", indices)
-    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OptionError(f"cannot create the overlay folder {out}: {error.strerror or error}") from error
     written = []
     for t in range(contributions.shape[1]):
         maps = contributions[:, t]

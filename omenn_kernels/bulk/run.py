@@ -17,6 +17,15 @@ Under ``torchrun``, process 0 takes the lock and creates the store, and every pr
 fails with its error if it cannot. The store never lies inside the image folder, nor the
 image folder inside the store, and ``overwrite`` replaces only a store written by this
 library (see :mod:`.store`).
+
+Every batch is written with the record of what explained it (``produced_by``: the backend
+that ran, ``compiled`` or its fallback ``fused`` included, and the versions of
+omenn_kernels and torch). A run adds no batch whose record the store's explained images
+do not already have, unless ``allow_mixed``: a resumed run with another backend or
+version is refused before it explains anything, and a compiled run that falls back to
+the fused backend at its first batch is refused then. Resuming first checks the chunks
+of the batches marked done (``verify``, see :meth:`.AttributionStore.verify`) and
+explains damaged ones again.
 """
 
 from __future__ import annotations
@@ -37,15 +46,16 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from .. import __version__
+from .. import __version__, backends
 from ..api import Explainer
 from ..readout import ReadoutFunction
 from ..errors import OmennError, OptionError, StoreError, TargetError
 from .images import ImageFiles, ImageList, collate_images, list_images
 from .lock import StoreLock
 from .model_source import LoadedModel, load_model
-from .store import (EXPLAINED, FAILED, STORE_DTYPES, AttributionStore, check_components,
-                    check_replaceable, check_store_dtype, remove_leftovers)
+from .store import (EXPLAINED, FAILED, PRODUCED_BY, PRODUCER_FIELDS, STORE_DTYPES, AttributionStore,
+                    StoreMismatchError, check_components, check_replaceable, check_store_dtype, parse_producer,
+                    producer_record, remove_leftovers)
 from .targets import NO_CLASS, TargetSpec, parse_targets, readout_weights
 
 log = logging.getLogger("omenn_kernels.bulk")
@@ -57,7 +67,16 @@ Result = TypeVar("Result")
 
 @dataclass
 class RunConfig:
-    """What ``omenn explain`` does; the fields mirror its options."""
+    """What ``omenn explain`` does; the fields mirror its options.
+
+    ``allow_mixed``: resume a store although its explained images come from another
+    backend (a compiled run's fallback to fused included) or another version of
+    omenn_kernels or torch than this run's; by default that is refused
+    (:class:`~omenn_kernels.bulk.StoreMismatchError`), as it mixes their numbers.
+    ``verify``: on resuming, read back the chunks of the batches marked done and explain
+    damaged ones again (see :meth:`~omenn_kernels.bulk.AttributionStore.verify`); it reads
+    the finished part of the store once.
+    """
 
     source: str | Path
     out: str | Path
@@ -75,6 +94,8 @@ class RunConfig:
     workers: int = 2
     overwrite: bool = False
     progress: bool = True
+    allow_mixed: bool = False
+    verify: bool = True
 
     def __post_init__(self) -> None:
         # Paths may be given as strings, as everywhere else in the API.
@@ -99,13 +120,15 @@ class RunSummary:
     """The outcome of a run, over all processes.
 
     ``explained`` and ``failed`` count the images this run processed; ``skipped`` those
-    a previous run had already done; ``store`` holds the totals.
+    a previous run had already done; ``damaged`` the batches a previous run had marked done
+    whose chunks were damaged, explained again by this run; ``store`` holds the totals.
     """
 
     store: Path
     explained: int = 0
     failed: int = 0
     skipped: int = 0
+    damaged: list[int] = field(default_factory=list)
     seconds: float = 0.0
     totals: dict = field(default_factory=dict)
 
@@ -128,12 +151,15 @@ def _device(name: str, world: int) -> torch.device:
     """The torch device ``name`` (under torchrun, "cuda" is this process's local GPU).
 
     Raises:
-        OptionError: a name torch does not know, or a CUDA device this machine does not have.
+        OptionError: a name torch does not know, a device other than the CPU and CUDA (meta,
+            mps, ...), or a CUDA device this machine does not have.
     """
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as error:
         raise OptionError(f"unknown device {name!r}: use cpu, cuda or cuda:N ({error})") from None
+    if device.type not in ("cpu", "cuda"):
+        raise OptionError(f"device {name!r} cannot run omenn explain: it explains on cpu, cuda or cuda:N")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise OptionError(f"device {name!r} was asked for, but CUDA is not available")
@@ -222,30 +248,73 @@ def _signature(config: RunConfig, loaded: LoadedModel, spec: TargetSpec, classes
     }
 
 
-def _open_store(config: RunConfig, signature: dict, images: ImageList, rank: int,
-                device: torch.device) -> AttributionStore:
-    """Process 0 creates (or replaces, or checks) the store while holding its lock; the others open it then."""
+def _producer(backend: str) -> str:
+    """The ``produced_by`` record of a batch that ``backend`` explains in this process."""
+    return producer_record(backend, __version__, torch.__version__)
 
-    def create_or_check() -> AttributionStore:
+
+def _mixing_error(out: Path, held: Iterable[str], record: str, requested: str) -> StoreMismatchError:
+    """The refusal to add batches of ``record`` to a store whose explained images have the records ``held``."""
+    new = parse_producer(record)
+    known = [parse_producer(r) for r in held if r]
+    differing = []
+    for name in PRODUCER_FIELDS:
+        stored = sorted({fields.get(name, "?") for fields in known})
+        if stored and new[name] not in stored:
+            differing.append(f"{name}: store has {', '.join(map(repr, stored))}, this run {new[name]!r}")
+    if "" in held:
+        differing.append("the backend and versions of images explained before omenn_kernels recorded them are "
+                         "not known")
+    fallback = ""
+    if requested == "compiled" and new["backend"] == "fused":
+        fallback = (" (the compiled backend could not compile this run's explanation, which runs on the fused "
+                    "backend: see the warning above)")
+    return StoreMismatchError(f"the store {out} holds explained images of another backend or version than this "
+                              f"run's{fallback}: {'; '.join(differing)}; resuming would mix their numbers in one "
+                              "store: pass --allow-mixed (allow_mixed=True) to do so anyway, or --overwrite to "
+                              "start again")
+
+
+def _open_store(config: RunConfig, signature: dict, images: ImageList, rank: int,
+                device: torch.device) -> tuple[AttributionStore, list[int]]:
+    """Process 0 creates (or replaces, or checks) the store while holding its lock; the others open it then.
+
+    Returns the store and the batches marked done whose chunks were damaged (now pending again).
+    """
+    backend = backends.resolved_name(config.backend, device)
+    # A compiled run may fall back to fused: that is checked again at its first batch.
+    candidates = [_producer(backend)] + ([_producer("fused")] if backend == "compiled" else [])
+
+    def resume(store: AttributionStore) -> list[int]:
+        damaged = store.verify(images.paths, images.labels) if config.verify else []
+        held = store.producers()
+        if store.pending_chunks() and held and not config.allow_mixed and not any(c in held for c in candidates):
+            raise _mixing_error(config.out, held, candidates[0], config.backend)
+        store.add_producer_array()
+        return damaged
+
+    def create_or_check() -> tuple[AttributionStore, list[int]]:
         remove_leftovers(config.out)
         if (config.out / "zarr.json").is_file() and not config.overwrite:
             store = AttributionStore.open(config.out, writable=True)
             store.check_signature(signature)
+            damaged = resume(store)
             log.info("resuming %s: %s", config.out, store.summary())
-            return store
+            return store, damaged
         return AttributionStore.create(
             config.out, paths=list(images.paths), labels=list(images.labels),
             target_count=signature["target_count"], classes=signature["classes"],
             image_shape=tuple(signature["image_shape"]), batch_size=config.batch_size,
             store_dtype=config.store_dtype, components=config.components,
             attributes={**signature, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
-            replace=config.overwrite)
+            replace=config.overwrite), []
 
-    store = _on_rank0(create_or_check, rank, device)
+    opened = _on_rank0(create_or_check, rank, device)
     if rank != 0:
         store = AttributionStore.open(config.out, writable=True)
         store.check_signature(signature)
-    return store
+        return store, []
+    return opened
 
 
 def _check_labels(images: ImageList, classes: int, model: str) -> None:
@@ -361,6 +430,7 @@ class _BatchExplainer:
         self.device = device
         self.autocast = AUTOCAST_DTYPES[config.dtype]
         self.store_dtype = STORE_DTYPES[config.store_dtype]
+        self.backend = backends.resolved_name(config.backend, device)
 
     def _readout_weights(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """The (B, T, K) read-out weights of the target specification for a batch's logits."""
@@ -373,7 +443,16 @@ class _BatchExplainer:
         arrays.update(explained=np.full((rows, t), np.nan, np.float32),
                       logits=np.full((rows, self.classes), np.nan, np.float32),
                       targets=np.full((rows, t, 2), NO_CLASS, np.int32))
+        arrays[PRODUCED_BY] = np.full(rows, _producer(self.backend), dtype=object)
         return arrays
+
+    def _backend_that_ran(self, x: torch.Tensor, readouts: ReadoutFunction) -> str:
+        """The backend that explained ``x`` just now: ``fused`` for a compiled run whose graph for this
+        signature could not be compiled (see :func:`omenn_kernels.backends.compiled.replays`)."""
+        if self.backend != "compiled":
+            return self.backend
+        program, _ = self.explainer.program(x)
+        return "compiled" if backends.compiled.replays(program, self.explainer.model, x, readouts) else "fused"
 
     def __call__(self, batch: dict, image_shape: tuple[int, ...]) -> tuple[dict, np.ndarray]:
         indices = batch["indices"]
@@ -397,6 +476,8 @@ class _BatchExplainer:
         readouts = ReadoutFunction(self.readout_weights, () if labels is None else (labels,))
         with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext():
             e = self.explainer.explain_targets(x, readouts)
+            # under the same autocast: a compiled graph is specialized on it
+            arrays[PRODUCED_BY][:] = _producer(self._backend_that_ran(x, readouts))
         # the pairs the read-outs were made of: the same function of the same logits
         outputs = {"contribution": e.contribution, "bias": e.bias, "explained": e.logit, "logits": e.logits,
                    "targets": self.spec.pairs(e.logits, labels)}
@@ -413,18 +494,22 @@ class _BatchExplainer:
 def explain_folder(config: RunConfig) -> RunSummary:
     """Explain every image of ``config.source`` into the store ``config.out``.
 
-    Resumes a store written by an identical configuration (skipping finished chunks);
-    shards the chunks over the processes of a ``torchrun`` launch. Holds the store's lock
-    for the whole run and releases it (removing the lock file) when the run ends, also on
-    an exception or an interrupt. With ``config.overwrite``, an existing store written by
-    this library is replaced, and nothing else is ever removed.
+    Resumes a store written by an identical configuration (skipping finished chunks, after
+    checking them unless ``config.verify`` is off); shards the chunks over the processes of
+    a ``torchrun`` launch. Holds the store's lock for the whole run and releases it
+    (removing the lock file) when the run ends, also on an exception or an interrupt. With
+    ``config.overwrite``, an existing store written by this library is replaced, and
+    nothing else is ever removed.
 
     Raises:
         StoreLockedError: another process is writing ``config.out``.
-        StoreMismatchError: ``config.out`` holds a store of a different configuration.
+        LockFileError: the lock file's path holds a link or a file that is not a lock
+            record of this library; or the lock file cannot be removed when the run ends.
+        StoreMismatchError: ``config.out`` holds a store of a different configuration, or
+            (unless ``config.allow_mixed``) explained images of another backend or version.
         StoreError: ``config.out`` is inside the image folder (or holds it), is something
             other than a store, cannot be written, or holds unreadable metadata.
-        OptionError: an invalid option, such as an unknown device.
+        OptionError: an invalid option, such as an unknown device or one that cannot explain.
         FileNotFoundError, ValueError: a missing folder, no images, an unknown model.
         TargetError: a target specification that does not fit the model or the images,
             such as a class folder beyond the model's classes with the target 'label'.
@@ -435,10 +520,14 @@ def explain_folder(config: RunConfig) -> RunSummary:
         device = _device(config.device, world)
         lock = _on_rank0(lambda: _claim_out(config), rank, device)
         try:
-            return _explain_folder(config, rank, world, device)
-        finally:
+            summary = _explain_folder(config, rank, world, device)
+        except BaseException:
             if lock is not None:
-                lock.release()
+                lock.release(raise_errors=False)  # the run's own error is the one to report
+            raise
+        if lock is not None:
+            lock.release()
+        return summary
     finally:
         if started_group:
             dist.destroy_process_group()
@@ -458,12 +547,13 @@ def _explain_folder(config: RunConfig, rank: int, world: int, device: torch.devi
     if spec.needs_labels:
         _check_labels(images, classes, loaded.name)
     batch_explainer = _BatchExplainer(config, explainer, spec, classes, images, device)
-    store = _open_store(config, _signature(config, loaded, spec, classes, images), images, rank, device)
+    store, damaged = _open_store(config, _signature(config, loaded, spec, classes, images), images, rank, device)
 
     chunks = [c for c in store.pending_chunks() if c % world == rank]
     pending_images = sum(len(store.chunk_range(c)) for c in chunks)
     mine = sum(len(store.chunk_range(c)) for c in range(rank, store.num_chunks, world))
-    summary = RunSummary(config.out, skipped=mine - pending_images)
+    summary = RunSummary(config.out, skipped=mine - pending_images, damaged=damaged)
+    held = set(store.producers())
     log.info("rank %d/%d: %d images to explain in %d batches (%d done before), model %s, targets %r "
              "(%d per image), device %s, dtype %s, backend %s", rank, world,
              pending_images, len(chunks), summary.skipped, loaded.name,
@@ -481,6 +571,11 @@ def _explain_folder(config: RunConfig, rank: int, world: int, device: torch.devi
     try:
         for chunk, batch in zip(chunks, batches):
             arrays, status = batch_explainer(batch, image_shape)
+            if (status == EXPLAINED).any():
+                record = str(arrays[PRODUCED_BY][0])
+                if held and record not in held and not config.allow_mixed:
+                    raise _mixing_error(config.out, held, record, config.backend)
+                held.add(record)
             writer.put(chunk, arrays, status)
             summary.explained += int((status == EXPLAINED).sum())
             summary.failed += int((status == FAILED).sum())

@@ -14,6 +14,8 @@ targets        (N, T, 2)        class pairs (positive, negative); negative -1 if
 labels         (N,)             folder label, -1 if none
 paths          (N,)             image path relative to the source folder
 status         (N,)             0 pending, 1 explained, 2 failed (unreadable image)
+produced_by    (N,)             what explained the image's batch: backend and versions
+                                (see :func:`producer_record`)
 ============== ================ =======================================================
 
 Every array is chunked by ``batch_size`` images along N, and the run writes one whole
@@ -22,7 +24,19 @@ atomically (a temporary file renamed into place), so a process killed at any mom
 leaves every batch either marked done with all its data, or not marked — and a resumed
 run redoes exactly the unmarked batches. Processes of a distributed run own disjoint
 chunks. The group's attributes hold the run's signature (model, weights hash,
-targets, dtype, backend, ...), checked when a run resumes.
+targets, dtype, ...), checked when a run resumes.
+
+``produced_by`` records, per batch, the backend that actually explained it (``compiled``
+falls back to ``fused`` where it cannot compile) and the versions of omenn_kernels and
+torch, so that a resumed run can refuse to mix numbers of another backend or version into
+the store (:mod:`.run`). The group attribute ``backend`` is the backend the creating run
+asked for; the attribute ``produced_by`` lists the records of the explained images once a
+run ends. Stores written before these records were kept have no ``produced_by`` array.
+
+A resumed run checks the chunks of the batches marked done (:meth:`AttributionStore.verify`):
+a chunk file that does not decode, or one that is missing where an explained image's data
+must be, marks its batch pending again, to be explained anew; damaged ``paths`` and
+``labels`` chunks are rewritten from the image list.
 
 Creation is atomic: :meth:`AttributionStore.create` builds the whole store (every array,
 the paths, the labels and the attributes) in a hidden sibling folder
@@ -41,13 +55,14 @@ import logging
 import os
 import re
 import shutil
+from collections import Counter
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import zarr
 
-from ..errors import OptionError, StoreError
+from ..errors import OptionError, StoreError, first_line
 
 log = logging.getLogger("omenn_kernels.bulk")
 
@@ -59,15 +74,21 @@ COMPONENTS = ("contribution", "weighted_input", "bias")
 STORE_DTYPES = {"float16": np.float16, "float32": np.float32}
 
 # Attributes that must match for a run to resume into an existing store.
+# The backend is not among them: what produced each batch is checked instead (``produced_by``).
 SIGNATURE_KEYS = ("format_version", "model", "weights_sha256", "targets", "target_count", "classes",
-                  "image_shape", "batch_size", "dtype", "backend", "store_dtype", "components",
+                  "image_shape", "batch_size", "dtype", "store_dtype", "components",
                   "num_images", "paths_sha256")
 
 
 # Arrays every store has, besides the optional ones of COMPONENTS.
 REQUIRED_ARRAYS = ("explained", "logits", "targets", "labels", "status", "paths")
+# Per image, what explained its batch; absent from stores written before it was kept.
+PRODUCED_BY = "produced_by"
+PRODUCER_FIELDS = ("backend", "omenn_kernels", "torch")
 # Hidden sibling folders of a store being created or replaced: ``.<name>.creating-<pid>``.
 _TEMPORARY = re.compile(r"\.(?P<name>.+)\.(creating|removing)-\d+")
+# What zarr's codecs raise on a chunk file whose bytes do not decode (truncated, overwritten).
+_DECODE_ERRORS = (RuntimeError, ValueError, TypeError, EOFError)
 
 
 class StoreMismatchError(StoreError):
@@ -86,6 +107,16 @@ def check_store_dtype(store_dtype: str) -> None:
     """Raise OptionError unless ``store_dtype`` is one a store can hold."""
     if store_dtype not in STORE_DTYPES:
         raise OptionError(f"store dtype must be one of {list(STORE_DTYPES)}, got {store_dtype!r}")
+
+
+def producer_record(backend: str, omenn_kernels: str, torch: str) -> str:
+    """What explained a batch, as ``produced_by`` holds it: ``backend=B omenn_kernels=V torch=V``."""
+    return f"backend={backend} omenn_kernels={omenn_kernels} torch={torch}"
+
+
+def parse_producer(record: str) -> dict[str, str]:
+    """The fields of a :func:`producer_record` (empty for the empty record)."""
+    return dict(part.partition("=")[::2] for part in record.split())
 
 
 def paths_digest(paths: Iterable[str]) -> str:
@@ -165,8 +196,9 @@ def remove_leftovers(path: str | Path) -> list[Path]:
 class AttributionStore:
     """An attribution store on disk (see the module docstring for the layout)."""
 
-    def __init__(self, group: zarr.Group) -> None:
+    def __init__(self, group: zarr.Group, path: str | Path) -> None:
         self.group = group
+        self.path = Path(path)
 
     @classmethod
     def create(cls, path: str | Path, *, paths: list[str], labels: list[int], target_count: int,
@@ -255,6 +287,7 @@ class AttributionStore:
         group.create_array("labels", shape=(n,), chunks=(batch_size,), dtype=np.int32, fill_value=-1)
         group.create_array("status", shape=(n,), chunks=(batch_size,), dtype=np.int8, fill_value=PENDING)
         group.create_array("paths", shape=(n,), chunks=(batch_size,), dtype=str)
+        group.create_array(PRODUCED_BY, shape=(n,), chunks=(batch_size,), dtype=str)
         group["labels"][:] = np.asarray(labels, dtype=np.int32)
         group["paths"][:] = np.asarray(paths, dtype=object)
 
@@ -285,7 +318,8 @@ class AttributionStore:
                 or set(components) - set(COMPONENTS) or not isinstance(num_images, int):
             raise StoreError(f"the store metadata {metadata} lacks valid 'components' and 'num_images' "
                              f"attributes (components {components!r}, num_images {num_images!r})")
-        for name in (*components, *REQUIRED_ARRAYS):
+        optional = (PRODUCED_BY,) if (path / PRODUCED_BY / "zarr.json").is_file() else ()
+        for name in (*components, *REQUIRED_ARRAYS, *optional):
             array_metadata = path / name / "zarr.json"
             if not array_metadata.is_file():
                 raise StoreError(f"the store {path} is incomplete: it has no array {name!r} (no file "
@@ -297,7 +331,7 @@ class AttributionStore:
             if length != num_images:
                 raise StoreError(f"the array metadata {array_metadata} gives {length} images, the store "
                                  f"{num_images}")
-        return cls(group)
+        return cls(group, path)
 
     @property
     def attrs(self) -> dict:
@@ -330,7 +364,7 @@ class AttributionStore:
 
     def status(self) -> np.ndarray:
         """(N,) int8: PENDING, EXPLAINED or FAILED per image."""
-        return self.group["status"][:]
+        return self._read("status")
 
     def pending_chunks(self) -> list[int]:
         """Chunks with at least one image not yet explained or failed."""
@@ -346,18 +380,63 @@ class AttributionStore:
         self.group["status"][region] = status
 
     def read(self, name: str, indices: slice | list[int] | np.ndarray | None = None) -> np.ndarray:
-        """Array ``name`` (all images, or the images ``indices``)."""
+        """Array ``name`` (all images, or the images ``indices``).
+
+        Raises:
+            StoreError: no such array, or a chunk file of it that cannot be read or decoded
+                (the message names the file).
+        """
         if name not in self.group:
             raise StoreError(f"the store has no array {name!r}; it has {sorted(self.group.array_keys())}")
+        return self._read(name, indices)
+
+    def _read(self, name: str, indices: slice | list[int] | np.ndarray | None = None) -> np.ndarray:
         array = self.group[name]
-        if indices is None:
-            return array[:]
-        if isinstance(indices, slice):
-            return array[indices]
-        return array.get_orthogonal_selection(np.asarray(indices, dtype=np.int64))
+        try:
+            if indices is None:
+                return array[:]
+            if isinstance(indices, slice):
+                return array[indices]
+            return array.get_orthogonal_selection(np.asarray(indices, dtype=np.int64))
+        except _DECODE_ERRORS as error:
+            rows = range(self.num_images)
+            chosen = rows if indices is None else rows[indices] if isinstance(indices, slice) else indices
+            message = self._damage_message(name, chosen)
+            if message is None:  # every chunk decodes: not a damaged file
+                raise
+            raise StoreError(message) from error
+        except OSError as error:
+            raise StoreError(f"cannot read the array {name!r} of the store {self.path}: "
+                             f"{error.strerror or error}") from error
+
+    def _damage_message(self, name: str, images: Iterable[int]) -> str | None:
+        """A sentence naming the first chunk file of ``name`` among those of ``images`` that does not decode."""
+        for chunk in sorted({int(i) // self.batch_size for i in images}):
+            error = self._undecodable(name, chunk)
+            if error is not None:
+                rows = self.chunk_range(chunk)
+                return (f"the store {self.path} is damaged: the chunk file {self.chunk_file(name, chunk)} of the "
+                        f"array {name!r} (images {rows.start}–{rows.stop - 1}) cannot be decoded "
+                        f"({first_line(error)}); run the omenn explain command that wrote the store again: it "
+                        "explains those images anew")
+        return None
+
+    def _undecodable(self, name: str, chunk: int) -> BaseException | None:
+        """The error decoding chunk ``chunk`` of array ``name`` raises, or None if it decodes."""
+        rows = self.chunk_range(chunk)
+        try:
+            self.group[name][rows.start:rows.stop]
+        except _DECODE_ERRORS as error:
+            return error
+        return None
+
+    def chunk_file(self, name: str, chunk: int) -> Path:
+        """The file of chunk ``chunk`` of array ``name`` (absent while the chunk holds only the fill value)."""
+        array = self.group[name]
+        return self.path / name / array.metadata.encode_chunk_key((chunk,) + (0,) * (array.ndim - 1))
 
     def paths(self) -> list[str]:
-        return [str(p) for p in self.group["paths"][:]]
+        return [str(p) for p in self._read("paths")]
 
     def summary(self) -> dict[str, int]:
         """Counts of explained, failed and pending images."""
@@ -365,6 +444,95 @@ class AttributionStore:
         return {"explained": int((status == EXPLAINED).sum()), "failed": int((status == FAILED).sum()),
                 "pending": int((status == PENDING).sum())}
 
+    def producers(self) -> dict[str, int]:
+        """How many explained images each :func:`producer_record` explained; the empty record counts
+        the explained images of a store that has no ``produced_by`` array."""
+        explained = self.status() == EXPLAINED
+        if PRODUCED_BY not in self.group:
+            return {"": int(explained.sum())} if explained.any() else {}
+        return dict(Counter(str(record) for record in self._read(PRODUCED_BY)[explained]))
+
+    def add_producer_array(self) -> None:
+        """Give a store written without ``produced_by`` the array (empty records: not known)."""
+        if PRODUCED_BY not in self.group:
+            self.group.create_array(PRODUCED_BY, shape=(self.num_images,), chunks=(self.batch_size,), dtype=str)
+
+    def verify(self, paths: Sequence[str], labels: Sequence[int]) -> list[int]:
+        """Check the chunks of the batches marked done; mark damaged ones pending again; return them.
+
+        A done chunk is damaged where a chunk file of its data or its status does not decode,
+        or where an explained image has no values (a missing chunk file reads as the fill
+        value: NaN maps, class -1). Every data chunk of the done batches is read once. The
+        ``paths`` and ``labels`` of every chunk, written when the store was created, are
+        compared with ``paths`` and ``labels`` (the run's image list, whose digest the store's
+        signature matched) and rewritten where they differ or do not decode. Each repair is
+        logged as a warning.
+        """
+        expected = {"paths": np.asarray(list(paths), dtype=object), "labels": np.asarray(list(labels), np.int32)}
+        data = [name for name in (*COMPONENTS, "explained", "logits", "targets", PRODUCED_BY) if name in self.group]
+        damaged = []
+        for chunk in range(self.num_chunks):
+            rows = self.chunk_range(chunk)
+            region = slice(rows.start, rows.stop)
+            for name, values in expected.items():
+                if not self._holds(name, region, values[region]):
+                    log.warning("the store %s: the chunk file %s of %r (images %d–%d) is damaged; rewriting it "
+                                "from the image list", self.path, self.chunk_file(name, chunk), name,
+                                rows.start, rows.stop - 1)
+                    self.group[name][region] = values[region]
+            reason = self._chunk_damage(chunk, data)
+            if reason is not None:
+                log.warning("the store %s: batch %d (images %d–%d) is marked done but %s; it is explained again",
+                            self.path, chunk, rows.start, rows.stop - 1, reason)
+                self.group["status"][region] = np.full(len(rows), PENDING, np.int8)
+                damaged.append(chunk)
+        return damaged
+
+    def _holds(self, name: str, region: slice, values: np.ndarray) -> bool:
+        """Whether the chunk of ``name`` at ``region`` decodes to ``values``."""
+        try:
+            stored = self.group[name][region]
+        except _DECODE_ERRORS:
+            return False
+        if values.dtype == object:
+            return [str(v) for v in stored] == [str(v) for v in values]
+        return np.array_equal(stored, values)
+
+    def _chunk_damage(self, chunk: int, data: Sequence[str]) -> str | None:
+        """Why the done chunk ``chunk`` is damaged, or None if it is whole or not done."""
+        rows = self.chunk_range(chunk)
+        region = slice(rows.start, rows.stop)
+        try:
+            status = self.group["status"][region]
+        except _DECODE_ERRORS as error:
+            return (f"its status chunk file {self.chunk_file('status', chunk)} cannot be decoded "
+                    f"({first_line(error)})")
+        if not (status != PENDING).any():
+            return None
+        unknown = sorted(set(np.unique(status).tolist()) - {PENDING, EXPLAINED, FAILED})
+        if unknown:
+            return f"its status chunk file {self.chunk_file('status', chunk)} holds unknown values {unknown}"
+        explained = status == EXPLAINED
+        for name in data:
+            try:
+                values = self.group[name][region]
+            except _DECODE_ERRORS as error:
+                return (f"the chunk file {self.chunk_file(name, chunk)} of {name!r} cannot be decoded "
+                        f"({first_line(error)})")
+            values = values[explained]
+            if name == PRODUCED_BY:  # empty records are those of images explained before they were kept
+                continue
+            if name == "targets":
+                empty = (values[..., 0] < 0).reshape(len(values), -1).any(1)
+            else:
+                empty = np.isnan(values).reshape(len(values), -1).all(1)
+            if empty.any():
+                image = rows.start + int(np.flatnonzero(explained)[np.argmax(empty)])
+                return (f"the chunk file {self.chunk_file(name, chunk)} of {name!r} holds no values for the "
+                        f"explained image {image} (the file is missing or was replaced)")
+        return None
+
     def mark_complete(self) -> None:
-        """Record in the attributes whether every image is explained or failed."""
-        self.group.attrs["complete"] = self.summary()["pending"] == 0
+        """Record in the attributes whether every image is explained or failed, and what explained them."""
+        self.group.attrs.update({"complete": self.summary()["pending"] == 0,
+                                 "produced_by": sorted(self.producers())})

@@ -10,11 +10,11 @@ import pytest
 import torch
 from PIL import Image
 
-from omenn_kernels import Explainer
+from omenn_kernels import Explainer, __version__
 from omenn_kernels.bulk import AttributionStore, RunConfig, StoreMismatchError, explain_folder, list_images
 from omenn_kernels.bulk.model_source import load_model
 from omenn_kernels.bulk.run import _read_ahead
-from omenn_kernels.bulk.store import EXPLAINED, FAILED, PENDING
+from omenn_kernels.bulk.store import EXPLAINED, FAILED, PENDING, producer_record
 from omenn_kernels.bulk.targets import NO_CLASS
 
 TARGETS = "predicted,label,top3,label-predicted,3-7"
@@ -209,6 +209,8 @@ def test_the_compiled_backend_writes_the_reference_store(multi_target_store, par
     assert len(eager) == 2  # the first batch's eager run and its trace; the other two batches ran the graph
     _, reference = multi_target_store
     store = AttributionStore.open(out)
+    record = producer_record("compiled", __version__, torch.__version__)
+    assert store.read("produced_by").tolist() == [record] * 20 and store.attrs["produced_by"] == [record]
     assert np.array_equal(store.read("targets"), reference.read("targets"))
     for name in ("contribution", "weighted_input", "bias", "explained", "logits"):
         np.testing.assert_allclose(store.read(name), reference.read(name), rtol=1e-4, atol=1e-5, err_msg=name)
