@@ -158,3 +158,44 @@ def test_a_llama_style_model_explains_its_next_token_logit(monkeypatch):
     assert e.contribution.shape == (2, 7)
     assert _relative(e.contribution.sum(1), logits.gather(1, next_token[:, None])[:, 0]) <= 1e-6
     _assert_backends_agree(explanations, atol=1e-6)
+
+
+class LastTokenWithMask(nn.Module):
+    """A causal LM on its token embeddings with a (left-)padding mask held as a buffer."""
+
+    def __init__(self, model: nn.Module, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.model = model
+        self.register_buffer("mask", mask)
+
+    def forward(self, embeddings):
+        return self.model(inputs_embeds=embeddings, attention_mask=self.mask, use_cache=False).logits[:, -1]
+
+
+def test_a_left_padded_gpt2_batch_is_explained_without_nan(monkeypatch):
+    """Left padding under a causal mask leaves the padding queries no key to attend to: SDPA gives
+    them weights 0; every backend must too (softmax of a row of -inf is NaN, and NaN weights make
+    the padded sample's whole explanation NaN). The compiled graph runs as traced."""
+    from omenn_kernels.backends import compiled
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
+    config = GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    gpt2 = randomize_(GPT2LMHeadModel(config), seed=8).to(DT).eval()
+    ids = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        embeddings = gpt2.get_input_embeddings()(ids)
+    model = LastTokenWithMask(gpt2, mask)
+    with torch.no_grad():
+        logits = model(embeddings)
+    assert torch.isfinite(logits).all()
+    target = logits.argmax(1)
+    explanations = {backend: Explainer(model, backend=backend, feature_dim=-1)(embeddings, target)
+                    for backend in ("reference", "fused", "compiled")}
+    for backend, e in explanations.items():
+        assert torch.isfinite(e.contribution).all(), backend
+        assert _relative(e.contribution.sum(1), logits.gather(1, target[:, None])[:, 0]) <= 1e-10, backend
+    _assert_backends_agree(explanations)

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from omenn_kernels import explain
+from omenn_kernels import Explainer, explain
 from omenn_kernels.linearize.rules import attention
 from omenn_kernels.linearize.rules.attention import attended, attention_weights
 from omenn_kernels.linearize.values import Gate, Live
@@ -447,3 +447,42 @@ def test_third_derivative_through_held_attention_is_refused():
     assert all(bool(torch.isfinite(d).all()) for d in torch.autograd.grad(second_order_loss(), [query, key]))
     with pytest.raises(RuntimeError, match="differentiated twice, not three times"):
         torch.autograd.grad(second_order_loss(), [query, key], create_graph=True)
+
+
+def _fully_masked_rows(form: str) -> torch.Tensor:
+    """A (T, T) mask with query rows 0 and 3 allowed no key: boolean, additive (``-inf``), or a
+    sliding window of two keys over a left-padded causal sequence (padding keys 0 and 1)."""
+    if form == "sliding window":
+        i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+        return (j <= i) & (j > i - 2) & (j >= 2)  # rows 0 and 1 see padding only
+    allowed = rand(T, T, seed=40) > -0.5
+    allowed[[0, 3]] = False
+    if form == "boolean":
+        return allowed
+    return torch.zeros(T, T, dtype=DT).masked_fill(~allowed, float("-inf")) + rand(T, T, seed=41)
+
+
+@pytest.mark.parametrize("backend", ["reference", "fused", "compiled"])
+@pytest.mark.parametrize("form", ["boolean", "additive", "sliding window"])
+def test_fully_masked_query_rows_get_zero_weights_as_in_sdpa(form, backend, monkeypatch):
+    """SDPA gives a query row whose every key is masked the weights 0 (its output 0); softmax of
+    a row of ``-inf`` would be NaN, and NaN weights make the whole explanation NaN through the
+    backward. Every backend: finite maps that sum to the model's own logit."""
+    from omenn_kernels.backends import compiled
+
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
+    mask = _fully_masked_rows(form)
+    model = randomize(Attention(mask=mask.clone()), seed=42).double()
+    model.mask = mask  # randomize draws float buffers anew; keep the mask as drawn
+    x = _input(43)
+    with torch.no_grad():
+        logits = model(x)
+    assert torch.isfinite(logits).all()
+    weights = attention_weights(rand(2, 2, T, 2, seed=44), rand(2, 2, T, 2, seed=45), mask, False, None, False)
+    masked_rows = [0, 1] if form == "sliding window" else [0, 3]
+    assert torch.isfinite(weights).all() and (weights[..., masked_rows, :] == 0).all()
+    explainer = Explainer(model, backend=backend)
+    for _ in range(2):  # compiled, then replayed
+        e = explainer(x, 1)
+        assert torch.isfinite(e.weight).all() and torch.isfinite(e.bias).all()
+        torch.testing.assert_close(e.contribution.sum((1, 2)), logits[:, 1], rtol=RTOL, atol=ATOL)

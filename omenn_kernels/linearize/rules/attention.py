@@ -249,7 +249,9 @@ def _attended_with_held(query: torch.Tensor, key: torch.Tensor, values: Live, sc
 
 
 def attention_weights(query, key, mask, is_causal: bool, scale, enable_gqa: bool) -> torch.Tensor:
-    """``softmax(QKᵀ·scale + mask)`` from plain (constant) tensors, as SDPA computes it."""
+    """``softmax(QKᵀ·scale + mask)`` from plain (constant) tensors, as SDPA computes it: a query
+    row whose every key is masked (a left-padded position under a causal mask) gets weights 0,
+    where ``softmax`` of a row of ``-inf`` is NaN."""
     query, key, mask = plain(query), plain(key), plain(mask)
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
@@ -260,7 +262,7 @@ def attention_weights(query, key, mask, is_causal: bool, scale, enable_gqa: bool
         scores = scores.masked_fill(~causal, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.softmax(scores, dim=-1)
+    return aten._safe_softmax.default(scores, -1)
 
 
 def _sdpa(op, *args, **kwargs):
