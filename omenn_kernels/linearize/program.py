@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 import torch
 
@@ -163,13 +164,32 @@ def linearize(captured: CapturedModel) -> LinearizedProgram:
     # each use ends as a factor of an input-dependent tensor that is no gate; a product of two
     # would-be multipliers keeps neither (R9).
     feeds_gates = _feeding(nodes, dependent, gates)
-    partners = {node: _factor_partners(node, dependent) for node in nodes
+    order = {node: index for index, node in enumerate(nodes)}
+
+    def nonlinear(operand: torch.fx.Node, product: torch.fx.Node) -> bool:
+        return _nonlinear_factor(operand, product, dependent, gates, order)
+
+    products = {node: _factor_products(node, dependent) for node in nodes
                 if node in dependent and node not in gates | feeds_gates and _is_multiplier(node, dependent)}
-    candidates = {node for node, found in partners.items() if found is not None and not found & (gates | feeds_gates)}
+    partners = {node: None if found is None else {p for _, others in found for p in others}
+                for node, found in products.items()}
+    # A partner that is itself a non-linear function of the input (a gated activation written
+    # out in several ops) makes the product one of two non-linear factors: R9 refuses it.
+    candidates = {node for node, found in partners.items()
+                  if found is not None and not found & (gates | feeds_gates)
+                  and not any(nonlinear(other, product) for product, others in products[node] for other in others)}
     held_multipliers = {node for node in candidates if not partners[node] & candidates}
     if held_multipliers:
         gates |= held_multipliers
         feeds_gates = _feeding(nodes, dependent, gates)
+    # R5' over a subgraph: a non-linear function of the input written out in several ops
+    # (0.5·x·(1 + tanh(…)), x·sigmoid(1.702x)) that ends as a factor of a linear one is held
+    # whole, the outermost product first.
+    for product in reversed(nodes):
+        whole = _held_whole(product, dependent, gates | feeds_gates, nonlinear)
+        if whole is not None:
+            gates.add(whole)
+            feeds_gates = _feeding(nodes, dependent, gates)
 
     steps: list[Step] = []
     live: set[torch.fx.Node] = set()
@@ -222,26 +242,70 @@ def _is_multiplier(node: torch.fx.Node, dependent: set[torch.fx.Node]) -> bool:
                for operand in _inputs(node) if operand in dependent)
 
 
-def _factor_partners(node: torch.fx.Node, dependent: set[torch.fx.Node]) -> set[torch.fx.Node] | None:
-    """The other input-dependent factors of the products in which every use of ``node`` ends, or
-    None where a use ends otherwise. Uses are followed through operations whose only
-    input-dependent operand is ``node``."""
-    partners: set[torch.fx.Node] = set()
+def _factor_products(node: torch.fx.Node, dependent: set[torch.fx.Node]
+                     ) -> list[tuple[torch.fx.Node, set[torch.fx.Node]]] | None:
+    """The products in which every use of ``node`` ends as a factor, each with its other
+    input-dependent factors; None where a use ends otherwise. Uses are followed through
+    operations whose only input-dependent operand is ``node``."""
+    found: list[tuple[torch.fx.Node, set[torch.fx.Node]]] = []
     for user in node.users:
         if user.op != "call_function":
             return None
         rule = lookup(user.target)
         others = {n for n in _inputs(user) if n in dependent and n is not node}
         if not others:
-            found = _factor_partners(user, dependent)
-            if found is None:
+            further = _factor_products(user, dependent)
+            if further is None:
                 return None
-            partners |= found
+            found.extend(further)
         elif rule is not None and _positions(user, node) <= set(rule.factor_args):
-            partners |= others
+            found.append((user, others))
         else:
             return None
-    return partners
+    return found
+
+
+def _nonlinear_factor(operand: torch.fx.Node, product: torch.fx.Node, dependent: set[torch.fx.Node],
+                      gates: set[torch.fx.Node], order: dict[torch.fx.Node, int]) -> bool:
+    """Whether ``product``'s factor ``operand`` is a non-linear function of the input of its own:
+    the part of the graph that only ``operand`` is computed from (its ancestors all of whose
+    uses lead into it, up to the values the other factor shares) holds a non-linear operation
+    (``Rule.multiplier_args``) or a gate."""
+    part = {operand}
+    ancestors: set[torch.fx.Node] = set()
+    pending = [operand]
+    while pending:
+        for parent in _inputs(pending.pop()):
+            if parent in dependent and parent not in ancestors:
+                ancestors.add(parent)
+                pending.append(parent)
+    for node in sorted(ancestors, key=order.__getitem__, reverse=True):
+        if all(user in part for user in node.users):
+            part.add(node)
+    return any(node in gates or _is_multiplier(node, dependent) for node in part)
+
+
+def _held_whole(product: torch.fx.Node, dependent: set[torch.fx.Node], held: set[torch.fx.Node],
+                nonlinear: Callable[[torch.fx.Node, torch.fx.Node], bool]) -> torch.fx.Node | None:
+    """The factor of ``product``, a product of two input-dependent factors that are not held,
+    to hold whole (R5'): the one that is a non-linear function of the input, where the other
+    is linear and every use of it ends as a factor of a linear one. None otherwise (R9
+    refuses a product of two linear or two non-linear factors)."""
+    if product not in dependent or product in held or product.op != "call_function":
+        return None
+    rule = lookup(product.target)
+    operands = list(dict.fromkeys(n for n in _inputs(product) if n in dependent and n not in held))
+    if rule is None or len(operands) != 2 or \
+            any(not _positions(product, n) <= set(rule.factor_args) for n in operands):
+        return None
+    first, second = (nonlinear(n, product) for n in operands)
+    if first == second:
+        return None
+    whole = operands[0] if first else operands[1]
+    uses = _factor_products(whole, dependent)
+    if uses is None or any(nonlinear(other, use) for use, others in uses for other in others):
+        return None
+    return whole
 
 
 def _feeds_gate(user: torch.fx.Node, node: torch.fx.Node, gates: set, feeds_gates: set) -> bool:

@@ -12,6 +12,8 @@ Tables (B, F) are explained with their features as one position (``feature_dim=1
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -103,6 +105,61 @@ def test_global_response_normalization_holds_its_response():
         assert_written_out(e.weight, per_channel[:, :, None, None].expand_as(x))
         bias = (model.head.weight[0] @ model.beta + model.head.bias[0]) / 9  # per pixel, spread by the mean
         assert_written_out(e.bias, bias.expand(2, 3, 3))
+
+
+def _gelu_new(x):
+    """Hugging Face's ``gelu_new`` (GPT-2, T5 v1.1's gated-GELU MLP), written out in several ops."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def _quick_gelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _softcapped(x):
+    return 3.0 * torch.tanh(x / 3.0)
+
+
+class WrittenOutGatedMLP(nn.Module):
+    """``down(activation(x W_gate) ⊙ (x W_up))`` with the activation written out in several ops."""
+
+    def __init__(self, activation, up_activation=None) -> None:
+        super().__init__()
+        self.up, self.gate = nn.Linear(F_IN, HIDDEN).to(DT), nn.Linear(F_IN, HIDDEN).to(DT)
+        self.down = nn.Linear(HIDDEN, K).to(DT)
+        self.activation, self.up_activation = activation, up_activation
+
+    def forward(self, x):
+        up = self.up(x) if self.up_activation is None else self.up_activation(self.up(x))
+        return self.down(self.activation(self.gate(x)) * up)
+
+
+@pytest.mark.parametrize("activation", [_gelu_new, _quick_gelu, _softcapped], ids=["gelu_new", "quick_gelu",
+                                                                                  "softcapping"])
+def test_a_multiplier_written_out_in_several_ops_is_held_whole(activation):
+    """R5' over a subgraph: the whole written-out activation is the held multiplier, as the one
+    op is in a gated MLP (against the written-out matrix form)."""
+    model, x = WrittenOutGatedMLP(activation), rand(5, F_IN, seed=7)
+    e = on_both_backends(model, x, 1)
+    with torch.no_grad():
+        scaled = model.down.weight[1] * activation(model.gate(x))  # diag(held) folded into the read-out row
+        assert_written_out(e.weight, scaled @ model.up.weight)
+        assert_written_out(e.bias, scaled @ model.up.bias + model.down.bias[1])
+
+
+def test_gelu_new_written_out_equals_the_one_op_tanh_gelu():
+    written = WrittenOutGatedMLP(_gelu_new)
+    one_op = WrittenOutGatedMLP(lambda g: F.gelu(g, approximate="tanh"))
+    one_op.load_state_dict(written.state_dict())
+    x = rand(4, F_IN, seed=8)
+    a, b = explain(written, x, 2, backend="fused"), explain(one_op, x, 2, backend="fused")
+    assert_written_out(a.contribution, b.contribution)
+
+
+def test_two_written_out_non_linear_factors_stay_refused():
+    with pytest.raises(UnsupportedOpError, match=r"aten\.mul\.Tensor") as info:
+        explain(WrittenOutGatedMLP(_gelu_new, up_activation=F.silu), rand(2, F_IN, seed=0), 0)
+    assert "R9" in info.value.rule_kind
 
 
 class AddedNormalizer(nn.Module):
