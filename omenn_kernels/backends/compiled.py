@@ -49,9 +49,9 @@ Read-outs given as a :class:`~omenn_kernels.readout.ReadoutFunction` are traced 
 graph, with their tensor arguments as graph inputs and their other arguments (numbers,
 strings, tuples) baked in, part of the signature. Run on the fused backend instead:
 read-outs given as any other function of the logits (what such a function reads
-besides the logits would be baked into the graph) or with an unhashable argument, and any signature whose trace or
-compilation failed (one warning naming the cause; the explanation is the fused
-backend's).
+besides the logits would be baked into the graph) or with an unhashable argument, and
+any signature whose trace or compilation failed (one warning naming the cause; the
+explanation is the fused backend's).
 """
 
 from __future__ import annotations

@@ -62,7 +62,10 @@ class Watch:
         with torch.no_grad():
             for tensor, copy, same in zip(self.tensors, self._copies, _unchanged(self.tensors, self._copies)):
                 if not same:
-                    copy.bits = _snapshot(tensor)
+                    if copy.bits.shape == tensor.shape and copy.bits.dtype == tensor.dtype:
+                        copy.bits.copy_(tensor)  # no new memory for a parameter changed in place
+                    else:
+                        copy.bits = _snapshot(tensor)
                     copy.generation += 1
         changed = [tensor for tensor, copy, seen in zip(self.tensors, self._copies, self._seen)
                    if copy.generation != seen]
