@@ -268,21 +268,31 @@ def _factor_products(node: torch.fx.Node, dependent: set[torch.fx.Node]
 def _nonlinear_factor(operand: torch.fx.Node, product: torch.fx.Node, dependent: set[torch.fx.Node],
                       gates: set[torch.fx.Node], order: dict[torch.fx.Node, int]) -> bool:
     """Whether ``product``'s factor ``operand`` is a non-linear function of the input of its own:
-    the part of the graph that only ``operand`` is computed from (its ancestors all of whose
-    uses lead into it, up to the values the other factor shares) holds a non-linear operation
-    (``Rule.multiplier_args``) or a gate."""
+    the elementwise part of the graph that only ``operand`` is computed from (its ancestors
+    through elementwise operations all of whose uses lead into it, up to the values the
+    other factor shares) holds a non-linear operation (``Rule.multiplier_args``) or a gate.
+    The walk stops at other operations (matrix products, reductions, attention): what a
+    layer computes from their results is a function of its own, linearized by its own rules."""
     part = {operand}
     ancestors: set[torch.fx.Node] = set()
-    pending = [operand]
+    pending = [operand] if _elementwise(operand) else []
     while pending:
         for parent in _inputs(pending.pop()):
-            if parent in dependent and parent not in ancestors:
+            if parent in dependent and parent not in ancestors and _elementwise(parent):
                 ancestors.add(parent)
                 pending.append(parent)
     for node in sorted(ancestors, key=order.__getitem__, reverse=True):
         if all(user in part for user in node.users):
             part.add(node)
     return any(node in gates or _is_multiplier(node, dependent) for node in part)
+
+
+def _elementwise(node: torch.fx.Node) -> bool:
+    """Whether ``node`` computes each element from the same elements of its operands (a
+    pointwise aten op, or a cast)."""
+    target = node.target
+    return node.op == "call_function" and (target is torch.ops.aten._to_copy.default or
+                                           torch.Tag.pointwise in getattr(target, "tags", ()))
 
 
 def _held_whole(product: torch.fx.Node, dependent: set[torch.fx.Node], held: set[torch.fx.Node],

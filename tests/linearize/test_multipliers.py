@@ -78,6 +78,36 @@ def test_a_gated_mlp_is_linear_in_its_up_projection_with_the_silu_held():
         assert_written_out(e.bias, scaled @ model.up.bias + model.down.bias[2])
 
 
+class NormAfterGatedMLP(nn.Module):
+    """Llama's block in float32: an RMSNorm of the residual ``x + MLP(x)``, no cast between, so
+    the normalizer's partner is computed (through a matrix product) from the silu gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = GatedMLP()
+        self.lift = nn.Linear(K, F_IN).to(DT)
+        self.norm = RMSNormHead()
+
+    def forward(self, x):
+        return self.norm(x + self.lift(self.mlp(x)))
+
+
+def test_a_normalizer_whose_partner_comes_from_a_held_gate_is_held():
+    model, x = NormAfterGatedMLP(), rand(5, F_IN, seed=13)
+    e = on_both_backends(model, x, 1)
+    with torch.no_grad():
+        gate = F.silu(model.mlp.gate(x))
+        # The residual r = x + lift(down(gate ⊙ up(x))) with the gate held: r = x·M_b + m_b.
+        mlp = torch.einsum("ko,bo,oi->bki", model.mlp.down.weight, gate, model.mlp.up.weight)
+        matrix = torch.eye(F_IN, dtype=DT) + torch.einsum("fk,bki->bfi", model.lift.weight, mlp)
+        offset = model.lift(model.mlp.down(gate * model.mlp.up.bias))
+        residual = x + model.lift(model.mlp(x))
+        held = torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + 1e-6)
+        row = held * model.norm.head.weight[1] * model.norm.gamma  # (B, F_IN)
+        assert_written_out(e.weight, torch.einsum("bf,bfi->bi", row, matrix))
+        assert_written_out(e.bias, (row * offset).sum(1) + model.norm.head.bias[1])
+
+
 class GlobalResponseNorm(nn.Module):
     """ConvNeXt-V2's GRN on channels-last maps: ``x + addcmul(β, γ, x · ‖x‖/mean‖x‖)``."""
 
