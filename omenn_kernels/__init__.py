@@ -6,6 +6,7 @@ give, per pixel, contributions that sum to the explained logit.
 """
 
 from .api import Explainer, Explanation, ReadoutFunction, explain, explainer_for, quantus_explain
+from .tokens import TokenExplainer
 from .errors import (CaptureError, InputError, InputTypeError, OmennError, OutputError, TargetError,
                      UnsupportedOpError)
 
@@ -13,5 +14,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError", "Explainer", "Explanation", "InputError", "InputTypeError", "OmennError",
-    "OutputError", "ReadoutFunction", "TargetError", "UnsupportedOpError", "explain", "explainer_for", "quantus_explain", "__version__",
+    "OutputError", "ReadoutFunction", "TargetError", "TokenExplainer", "UnsupportedOpError", "explain",
+    "explainer_for", "quantus_explain", "__version__",
 ]

@@ -87,7 +87,11 @@ def _check_input(x: object, model: torch.nn.Module) -> torch.Tensor:
         raise InputError(f"the input must be a batch (B, ...) with at least one dimension after the batch; "
                          f"got shape {tuple(x.shape)}")
     if not x.is_floating_point():
-        raise InputTypeError(f"the input must be a floating-point tensor; got dtype {x.dtype}")
+        hint = ""
+        if not x.is_complex() and x.dtype != torch.bool:
+            hint = (": token ids are explained at the model's embedding layer by explain(model, input_ids, ...) "
+                    "or TokenExplainer(model)")
+        raise InputTypeError(f"the input must be a floating-point tensor; got dtype {x.dtype}{hint}")
     if x.shape[0] == 0:
         raise InputError("the input batch is empty")
     reference = reference_parameter(model)
@@ -447,16 +451,21 @@ class Explainer:
         return e.weight * inputs + e.bias.unsqueeze(feature) / inputs.shape[feature]
 
 
-def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
+def explain(model: torch.nn.Module, x: torch.Tensor, target: Target = None, *,
             backend: str = "auto", create_graph: bool = False,
             parameter_gradient: ParameterGradient = "total", output: OutputSelector = None,
-            feature_dim: int | None = 1) -> Explanation:
+            feature_dim: int | None = 1, attention_mask: torch.Tensor | None = None,
+            position: int | torch.Tensor | None = None, layer: str | torch.nn.Module | None = None,
+            **inputs) -> Explanation:
     """Explain ``model`` on ``x`` for ``target`` with OMENN (one capture, one forward, one backward).
 
     Args:
         model: any ``nn.Module`` mapping a (B, C, H, W) tensor (or a batch of another
-            layout, see ``feature_dim``) to (B, K) logits.
-        x: the batch, floating-point, on the model's device and dtype.
+            layout, see ``feature_dim``) to (B, K) logits, or a model that takes token ids.
+        x: the batch, floating-point, on the model's device and dtype; or (B, T) integer
+            token ids, explained at the model's embedding layer, one contribution per
+            token (see :class:`~omenn_kernels.tokens.TokenExplainer`, which takes
+            ``attention_mask``, ``position``, ``layer`` and other keyword ``inputs``).
         target: an int class, (B,) integer classes, (K,) or (B, K) read-out weights, or
             None for each image's predicted class.
         backend: ``"reference"``, ``"fused"``, ``"compiled"`` or ``"auto"`` (see :class:`Explainer`).
@@ -477,6 +486,16 @@ def explain(model: torch.nn.Module, x: torch.Tensor, target: Target, *,
         torch.export cannot capture. OutputError: ``output`` picks no tensor of the
         model's output.
     """
+    token_inputs = dict(inputs, attention_mask=attention_mask, position=position, layer=layer)
+    if isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool:
+        from .tokens import TokenExplainer  # it builds on this module
+        layer = token_inputs.pop("layer")
+        return TokenExplainer(model, layer=layer, backend=backend, output=output)(
+            x, target, create_graph=create_graph, parameter_gradient=parameter_gradient, **token_inputs)
+    given = sorted(name for name, value in token_inputs.items() if value is not None)
+    if given:
+        raise InputError(f"{', '.join(given)} are inputs of a model explained from token ids, but the input "
+                         f"is {x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}")
     return Explainer(model, backend=backend, output=output, feature_dim=feature_dim)(
         x, target, create_graph=create_graph, parameter_gradient=parameter_gradient)
 

@@ -70,6 +70,7 @@ from ..capture import CAPTURE_LOCK, bound_tensors
 from ..errors import first_line
 from ..folding import scale_gradients_not_kernels
 from ..linearize.program import LinearizedProgram
+from ..linearize.values import traced_forwards
 from ..ops import traced_as_aten
 from ..readout import ReadoutFunction
 from ..testing import relative_distance
@@ -376,7 +377,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
 
     def traced_and_compiled(pack: bool) -> tuple[torch.fx.GraphModule, Callable | None, tuple | None, str | None,
                                                  tuple]:
-        graph = make_fx(explanation, decomposition_table=decompositions)(*example)
+        with traced_forwards():
+            graph = make_fx(explanation, decomposition_table=decompositions)(*example)
         folded = fold_shape_only(graph, example)
         parameter_derived = hoist_parameter_only(graph)
         packed = pack_constant_convolutions(graph) if pack else 0

@@ -108,21 +108,38 @@ class OnesChecks:
     (whether :func:`reached` filled padded positions), with ``shape_decided`` kept; a
     forward given it reads no ones. ``shape_decided``: no rule of this forward made its
     ones depend on values in a way a later input could change (:func:`ones_from_values`).
-    ``fills``: what this forward found (or replayed) at each bias.
+    ``fills``: what this forward found (or replayed) at each bias. ``traced``: the forward is
+    traced into a graph that later inputs replay; undecided by shapes (its ones depend on
+    values), each bias fills its ones without reading them (``torch.where`` on the zeros,
+    the same numbers).
     """
 
     decided: tuple[bool, ...] | None
     shape_decided: bool = True
     fills: list[bool] = field(default_factory=list)
+    traced: bool = False
 
 
 _ONES_CHECKS: ContextVar[OnesChecks | None] = ContextVar("omenn_ones_checks", default=None)
 
 
+_TRACED: ContextVar[bool] = ContextVar("omenn_traced_forward", default=False)
+
+
+@contextlib.contextmanager
+def traced_forwards() -> Iterator[None]:
+    """Forwards run inside are traced into a graph that later inputs replay (see :class:`OnesChecks`)."""
+    token = _TRACED.set(True)
+    try:
+        yield
+    finally:
+        _TRACED.reset(token)
+
+
 @contextlib.contextmanager
 def ones_checks(decided: tuple[bool, ...] | None) -> Iterator[OnesChecks]:
     """The checks of one forward (see :class:`OnesChecks`); outside one, every check runs."""
-    checks = OnesChecks(decided)
+    checks = OnesChecks(decided, traced=_TRACED.get())
     token = _ONES_CHECKS.set(checks)
     try:
         yield checks
@@ -142,6 +159,8 @@ def reached(ones: torch.Tensor) -> torch.Tensor:
     checks = _ONES_CHECKS.get()
     if checks is not None and checks.decided is not None:
         fill = checks.decided[len(checks.fills)]
+    elif checks is not None and checks.traced:
+        fill = True  # a traced graph that later inputs replay, whose zeros move: no read, no branch
     else:
         real = ones != 0
         fill = not bool(real.all())
@@ -159,6 +178,33 @@ def reached(ones: torch.Tensor) -> torch.Tensor:
     count = real.flatten(1).sum(1).to(ones.dtype)
     mean = (ones.flatten(1).sum(1) / count).view(-1, *([1] * (ones.dim() - 1)))
     return torch.where(real, ones, mean)
+
+
+def removed_where_zero(ones: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """R8': ``ones`` with the positions that ``mask`` zeroes removed (their ones 0).
+
+    A position is removed where the mask is 0 over all of the elements the ones share (the
+    features of a token); the result keeps the ones' sharing. The zeros move with the
+    mask's values, so every forward reads its ones where a bias meets them.
+    """
+    ndim = max(ones.dim(), mask.dim())
+    ones_shape = (1,) * (ndim - ones.dim()) + tuple(ones.shape)
+    keep = (mask != 0).reshape((1,) * (ndim - mask.dim()) + tuple(mask.shape))
+    shared = [d for d in range(ndim) if ones_shape[d] == 1 and keep.shape[d] > 1]
+    if shared:
+        keep = keep.any(dim=shared, keepdim=True)
+    ones_from_values(None)
+    return ones * keep
+
+
+def summed_ones(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """R7: the ones of a sum of two LIVE tensors, their average; where some ones may be 0
+    (a removed or padded position, :func:`ones_from_values`), the renormalized sum, which is
+    1 wherever either operand has a real position and has the average's gradient."""
+    checks = _ONES_CHECKS.get()
+    if checks is None or checks.shape_decided:
+        return (first + second) / 2
+    return renormalized(first + second)
 
 
 def ones_from_values(operand_ones: torch.Tensor | None) -> None:

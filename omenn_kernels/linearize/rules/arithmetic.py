@@ -3,6 +3,9 @@
 R7: ``a + b`` of LIVE tensors: the values add, the ones average.
 R7': LIVE ``a`` plus a CONST ``c``: ``a + c·O_a`` — the ones carry the constant.
 R8: LIVE ``a`` scaled by a CONST or a gate: ``a·c``, ones unchanged.
+R8': a LIVE tensor multiplied by a mask (a CONST of boolean or integer values, such as a
+padding mask): the positions it zeroes are removed, ``O_a·[c ≠ 0]``, so that later biases
+spread over the real positions only.
 R9: a product of two LIVE tensors has no linear form: a clear error.
 R1' for ``addcmul``/``addcdiv`` (``a + v·t₁·t₂``, ``a + v·t₁/t₂``): R7' and R8 in one op.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, reached
+from ..values import Gate, Live, reached, removed_where_zero, summed_ones
 
 aten = torch.ops.aten
 
@@ -30,7 +33,7 @@ def _add(op, *args, **kwargs):
         raise _ADDITIVE_GATE
     if isinstance(a, Live) and isinstance(b, Live):
         value = a.value + sign * alpha * b.value
-        return Live(value, (a.ones + b.ones) / 2)
+        return Live(value, summed_ones(a.ones, b.ones))
     live, const, live_first = (a, b, True) if isinstance(a, Live) else (b, a, False)
     ones = live.ones if isinstance(const, (int, float)) and const == 0 else reached(live.ones)
     carried = const * ones
@@ -64,6 +67,8 @@ def _scale(op, *args, **kwargs):
     live, factor = (a, b) if isinstance(a, Live) else (b, a)
     factor = factor.value if isinstance(factor, Gate) else factor
     value = live.value / factor if divide else live.value * factor
+    if not divide and isinstance(factor, torch.Tensor) and not (factor.is_floating_point() or factor.is_complex()):
+        return Live(value, removed_where_zero(live.ones, factor))  # R8'
     return Live(value, live.ones)
 
 

@@ -218,6 +218,8 @@ def _join(op, *args, **kwargs):
     if any(isinstance(t, Gate) for t in tensors):
         raise RuleError("a gate (an input-dependent constant) is joined to LIVE tensors",
                         "R12 for CONST tensors only")
+    if op is not aten.stack.default:  # an empty CONST (a fresh key-value cache) adds nothing to a cat
+        tensors = [t for t in tensors if isinstance(t, Live) or t.numel() > 0]
     live = [t for t in tensors if isinstance(t, Live)]
     if len(live) < len(tensors):
         if dim % (live[0].value.dim() + (op is aten.stack.default)) == 0:
