@@ -18,6 +18,8 @@ setup(
     extras_require={
         # the explanation-quality benchmark's compared methods and metrics
         "eval": ["captum", "zennit", "quantus==0.6.0", "scipy"],
+        # examples/explain_text.py: Hugging Face models and tokenizers
+        "text": ["transformers"],
         "test": ["pytest", "pytest-xdist", "pytest-benchmark", "hypothesis", "captum", "zennit", "quantus==0.6.0", "scipy",
                  "transformers"],  # Hugging Face models and ModelOutput in the tests
     },

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -65,3 +66,15 @@ def test_attribution_distillation_interrupted_writes_nothing(distillation, tmp_p
     status = distillation.main(["--steps", "1", "--batch-size", "2", "--test-images", "2", "--out", str(out)])
     assert status == distillation.EXIT_INTERRUPTED
     assert list(tmp_path.iterdir()) == []
+
+
+def test_explain_text_explains_a_prompt_and_its_generation(tmp_path, capsys):
+    text = load_example("explain_text")
+    out, png = tmp_path / "map.html", tmp_path / "map.png"
+    assert text.main(["--new-tokens", "2", "--backend", "fused", "--out", str(out), "--png", str(png)]) == 0
+    printed = capsys.readouterr().out
+    error = float(re.search(r"largest \|Σ C − logit\| / \|logit\|: (\S+)", printed).group(1))
+    assert error <= 1e-5  # float32
+    assert printed.count("explained: ") == 4  # two prompts, two generated tokens
+    assert out.read_text(encoding="utf-8").count('class="caption"') == 4
+    assert png.read_bytes()[:4] == b"\x89PNG"
