@@ -12,12 +12,13 @@ from __future__ import annotations
 import html
 import math
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from .atomic_file import write_atomically
 
 __all__ = ["heatmap_html", "heatmap_ansi", "heatmap_png", "save_html"]
 
@@ -152,21 +153,7 @@ def save_html(path: str | os.PathLike[str], page: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder; give the HTML file's path")
-    return _written(path, lambda temporary: Path(temporary).write_text(page, encoding="utf-8"))
-
-
-def _written(path: Path, write) -> Path:
-    """``write(temporary)`` to a new file next to ``path`` (created as usual, with the umask's
-    permissions), then renamed to ``path``: nothing is replaced on failure."""
-    temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}{path.suffix}")
-    temporary.open("xb").close()
-    try:
-        write(temporary)
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomically(path, lambda temporary: temporary.write_text(page, encoding="utf-8"))
 
 
 def heatmap_ansi(tokens: Sequence, contribution: torch.Tensor | Sequence[torch.Tensor],
@@ -221,4 +208,4 @@ def heatmap_png(path: str | os.PathLike[str], tokens: Sequence, contribution: to
                      bbox={"boxstyle": f"square,pad={pad}", "facecolor": [c / 255 for c in _colour(value, scale)],
                            "edgecolor": "none"})
             x += (len(text) * char + 2 * pad) * size
-    return _written(Path(path), lambda temporary: fig.savefig(temporary, dpi=dpi, format="png"))
+    return write_atomically(Path(path), lambda temporary: fig.savefig(temporary, dpi=dpi, format="png"))

@@ -19,7 +19,6 @@ import math
 import os
 import platform
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterable
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..atomic_file import write_atomically
 from . import CHECKPOINT_DIR
 from .architectures import DEFAULTS, INPUT_NORMALIZATION, build
 
@@ -75,19 +75,6 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _write_atomically(path: Path, write) -> None:
-    """Call ``write(temporary_path)`` and rename the result to ``path`` (same folder, atomic)."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(handle)
-    try:
-        write(Path(temporary))
-        os.chmod(temporary, 0o644)  # mkstemp creates owner-only files; checkpoints are for everyone
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def save_checkpoint(model: nn.Module, config: dict, out: Path, name: str) -> tuple[Path, Path]:
     """Write ``<out>/<name>.safetensors`` (float32 state_dict) and ``<out>/<name>.json``; returns both paths."""
     from safetensors.torch import save_file
@@ -96,8 +83,8 @@ def save_checkpoint(model: nn.Module, config: dict, out: Path, name: str) -> tup
     state = {key: (value.float() if value.is_floating_point() else value).detach().cpu().contiguous()
              for key, value in model.state_dict().items()}
     weights, config_path = out / f"{name}.safetensors", out / f"{name}.json"
-    _write_atomically(weights, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
-    _write_atomically(config_path, lambda p: p.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
+    write_atomically(weights, lambda p: save_file(state, str(p), metadata={"format": "pt"}))
+    write_atomically(config_path, lambda p: p.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8"))
     return weights, config_path
 
 
