@@ -208,24 +208,33 @@ def test_padding_contributes_exactly_zero_under_every_pooling(pooling):
 
 
 class _MaskedMean(nn.Module):
-    """A masked mean over token embeddings with the mask an integer buffer: R8' inside the model."""
+    """A masked mean over token embeddings with the mask an integer buffer, used as it is or
+    cast to the embeddings' dtype: R8' inside the model."""
 
-    def __init__(self, mask: torch.Tensor) -> None:
+    def __init__(self, mask: torch.Tensor, cast: str) -> None:
         super().__init__()
         self.register_buffer("mask", mask)
+        self.cast = cast
         self.lift = nn.Linear(16, 16)
         self.head = nn.Linear(16, 4)
 
     def forward(self, embeddings):
-        return self.head((self.lift(embeddings) * self.mask.unsqueeze(-1)).sum(1) / self.mask.sum(1, keepdim=True))
+        if self.cast == "integer":
+            weights = self.mask.unsqueeze(-1)
+        elif self.cast == "cast, then viewed":  # sentence-transformers' mean pooling
+            weights = self.mask.to(embeddings.dtype).unsqueeze(-1).expand(embeddings.shape)
+        else:
+            weights = self.mask.unsqueeze(-1).float().to(embeddings.dtype)
+        return self.head((self.lift(embeddings) * weights).sum(1) / self.mask.sum(1, keepdim=True))
 
 
-def test_a_masked_mean_in_the_model_removes_the_padding_positions():
+@pytest.mark.parametrize("cast", ["integer", "cast, then viewed", "viewed, then cast twice"])
+def test_a_masked_mean_in_the_model_removes_the_padding_positions(cast):
     """Also when the mask changes in place after the first call (the compiled graph, traced on
     the first mask, reads no ones: its zeros move with the mask)."""
     masks = [torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]),
              torch.tensor([[1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])]
-    model = randomize_(_MaskedMean(masks[0].clone()), seed=23).to(DT).eval()
+    model = randomize_(_MaskedMean(masks[0].clone(), cast), seed=23).to(DT).eval()
     embeddings = torch.randn(3, 5, 16, dtype=DT, generator=torch.Generator().manual_seed(24))
     explainers = {backend: Explainer(model, backend=backend, feature_dim=-1) for backend in BACKENDS}
     for mask in masks:

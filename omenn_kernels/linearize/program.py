@@ -191,6 +191,7 @@ def linearize(captured: CapturedModel) -> LinearizedProgram:
             gates.add(whole)
             feeds_gates = _feeding(nodes, dependent, gates)
 
+    masks = _masks(nodes, dependent)
     steps: list[Step] = []
     live: set[torch.fx.Node] = set()
     for node in nodes:
@@ -212,6 +213,9 @@ def linearize(captured: CapturedModel) -> LinearizedProgram:
                                   "result is used other than as a factor of another input-dependent tensor "
                                   "(where it would be held as a multiplier)",
                                   f"{rule.name} (only as a factor of another input-dependent tensor)")
+            if rule.masked is not None and any(_positions(node, n) & set(rule.factor_args)
+                                               for n in _inputs(node) if n in masks):
+                rule = rule.masked
             live.add(node)
             steps.append(Step(node, Kind.LIVE, rule, path))
     without_gradient = {step.node for step in steps if step.kind is not Kind.LIVE}
@@ -219,6 +223,24 @@ def linearize(captured: CapturedModel) -> LinearizedProgram:
         if step.kind is Kind.LIVE and step.rule.receiving:
             step.receiving = receiving_block(step.node, without_gradient)
     return LinearizedProgram(captured, steps)
+
+
+def _masks(nodes: list[torch.fx.Node], dependent: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The CONST tensors that hold a boolean or integer tensor's values: that tensor, and what
+    structure-only operations (views, selections, casts) make of it alone (R8' masks)."""
+    masks: set[torch.fx.Node] = set()
+    for node in nodes:
+        value = node.meta.get("val")
+        if node in dependent or not isinstance(value, torch.Tensor):
+            continue
+        if not (value.is_floating_point() or value.is_complex()):
+            masks.add(node)
+            continue
+        rule = lookup(node.target) if node.op == "call_function" else None
+        tensors = [n for n in _inputs(node) if isinstance(n.meta.get("val"), torch.Tensor)]
+        if rule is not None and rule.transparent and tensors and all(n in masks for n in tensors):
+            masks.add(node)
+    return masks
 
 
 def _feeding(nodes: list[torch.fx.Node], dependent: set[torch.fx.Node],

@@ -61,6 +61,9 @@ class Rule:
             ``(start, stop)`` of the result's last-dim features that can receive a
             gradient (None: all), which the graph walker decides once
             (:mod:`~omenn_kernels.linearize.receiving`).
+        masked: the rule for the operation where a CONST operand at a ``factor_args``
+            position holds a boolean or integer tensor's values, cast or viewed (a padding
+            mask as a float); the graph walker decides it.
     """
 
     name: str
@@ -76,6 +79,7 @@ class Rule:
     shape_only: bool = False
     held_multipliers: bool = True
     receiving: bool = False
+    masked: Rule | None = None
 
 
 _RULES: dict[OpKey, Rule] = {}

@@ -4,8 +4,8 @@ R7: ``a + b`` of LIVE tensors: the values add, the ones average.
 R7': LIVE ``a`` plus a CONST ``c``: ``a + c·O_a`` — the ones carry the constant.
 R8: LIVE ``a`` scaled by a CONST or a gate: ``a·c``, ones unchanged.
 R8': a LIVE tensor multiplied by a mask (a CONST of boolean or integer values, such as a
-padding mask): the positions it zeroes are removed, ``O_a·[c ≠ 0]``, so that later biases
-spread over the real positions only.
+padding mask, also cast to floating point): the positions it zeroes are removed,
+``O_a·[c ≠ 0]``, so that later biases spread over the real positions only.
 R9: a product of two LIVE tensors has no linear form: a clear error.
 R1' for ``addcmul``/``addcdiv`` (``a + v·t₁·t₂``, ``a + v·t₁/t₂``): R7' and R8 in one op.
 """
@@ -72,6 +72,13 @@ def _scale(op, *args, **kwargs):
     return Live(value, live.ones)
 
 
+def _masked(op, *args, **kwargs):
+    """R8': a LIVE tensor multiplied by a mask cast to floating point."""
+    a, b = arguments(op, args, kwargs)[:2]
+    live, mask = (a, b) if isinstance(a, Live) else (b, a)
+    return Live(live.value * mask, removed_where_zero(live.ones, mask))
+
+
 def _div_rounding(op, *args, **kwargs):
     bound = arguments(op, args, kwargs)
     if bound[2] is not None:
@@ -102,7 +109,8 @@ register([aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar],
          Rule("R7 sum / R7' constant added", _add, held_multipliers=False))
 register([aten.rsub.Tensor, aten.rsub.Scalar], Rule("R7' constant minus LIVE", _rsub, held_multipliers=False))
 register([aten.mul.Tensor, aten.mul.Scalar],
-         Rule("R8 scaled by a constant or gate", _scale, factor_args=(0, 1), held_multipliers=False))
+         Rule("R8 scaled by a constant or gate", _scale, factor_args=(0, 1), held_multipliers=False,
+              masked=Rule("R8' scaled by a mask", _masked, factor_args=(0, 1), held_multipliers=False)))
 # An input-dependent divisor makes the quotient a held multiplier where it only scales (R5').
 register([aten.div.Tensor, aten.div.Scalar],
          Rule("R8 divided by a constant or gate", _scale, factor_args=(1,), multiplier_args=(1,),
