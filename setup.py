@@ -11,7 +11,10 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["omenn_kernels", "omenn_kernels.*", "triton_kernels"]),
+    # The Triton kernels live in the top-level folder triton_kernels/ and install inside the
+    # library's namespace, so that they never shadow (or are shadowed by) another package.
+    packages=[*find_packages(include=["omenn_kernels", "omenn_kernels.*"]), "omenn_kernels.triton_kernels"],
+    package_dir={"omenn_kernels.triton_kernels": "triton_kernels"},
     package_data={"omenn_kernels.models": ["checkpoints/*.safetensors", "checkpoints/*.json"]},
     install_requires=["torch>=2.6", "torchvision", "timm>=1.0", "numpy", "matplotlib", "ninja", "safetensors",
                       "tqdm", "pillow", "zarr>=3.1"],

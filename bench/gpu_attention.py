@@ -99,7 +99,7 @@ def run_shape(shape: tuple[int, int, int, int], args, record: Callable) -> None:
         out_ref, lse_ref = attention_op.reference(q.float(), k.float(), v.float(), None, scale)
         dv_ref = attention_op.reference_backward_dv(q.float(), k.float(), grad.float(), lse_ref, None, scale)
 
-    from triton_kernels.attention import attention_backward_dv, attention_forward
+    from omenn_kernels.triton_kernels.attention import attention_backward_dv, attention_forward
 
     qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
     variants: dict[str, tuple[Callable, Callable | None]] = {

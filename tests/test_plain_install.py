@@ -35,3 +35,20 @@ def test_demo_runs_without_extras(tmp_path):
     assert "completeness check passed" in result.stdout
     report = json.loads((out / "completeness.json").read_text())
     assert len(report) == 2 * 4
+
+
+def test_the_triton_kernels_install_inside_the_library_only(tmp_path):
+    """The top-level folder ``triton_kernels/`` is installed as ``omenn_kernels.triton_kernels``:
+    from outside the checkout, ``import triton_kernels`` finds another project's package or none."""
+    child = ("import importlib.util, sys\n"
+             "ours = importlib.util.find_spec('omenn_kernels.triton_kernels')\n"
+             "other = importlib.util.find_spec('triton_kernels')\n"
+             "print(ours.origin if ours else None)\n"
+             "print(other.origin if other else None)\n")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-c", child], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ours, other = result.stdout.splitlines()
+    assert Path(ours).read_bytes() == (ROOT / "triton_kernels" / "__init__.py").read_bytes(), ours
+    assert other == "None" or not Path(other).resolve().is_relative_to(ROOT), other

@@ -70,7 +70,7 @@ _activation_backward_cpu = define_cpu_op(
 def activation(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
     """``x·ξ(x)`` for the activation ``kind`` (see :func:`fused_kind`), ``ξ`` held."""
     if x.device.type == "cuda":
-        from triton_kernels.activation import activation_forward
+        from ..triton_kernels.activation import activation_forward
 
         return activation_forward(x, kind, slope)
     return _activation_cpu(x, kind, slope)
@@ -80,7 +80,7 @@ def activation(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
 def activation_backward(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
     """``grad·ξ(x)``, ``ξ`` recomputed from ``x``."""
     if x.device.type == "cuda":
-        from triton_kernels.activation import activation_backward as kernel
+        from ..triton_kernels.activation import activation_backward as kernel
 
         return kernel(grad, x, kind, slope)
     return _activation_backward_cpu(grad, x, kind, slope)

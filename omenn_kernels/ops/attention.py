@@ -86,7 +86,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[
 
     ``q``, ``k``, ``v``: (B, H, T, D); ``bias``: additive, broadcastable to (B, H, Tq, Tk)."""
     if q.device.type == "cuda":
-        from triton_kernels.attention import attention_forward
+        from ..triton_kernels.attention import attention_forward
 
         return attention_forward(q, k, v, scale, bias)
     return attention_cpu(q, k, v, bias, scale)
@@ -97,7 +97,7 @@ def attention_backward_dv(q: torch.Tensor, k: torch.Tensor, grad: torch.Tensor, 
                           bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """``dV = Pᵀ·grad`` with ``P = exp(QKᵀ·scale + bias − lse)`` recomputed."""
     if q.device.type == "cuda":
-        from triton_kernels.attention import attention_backward_dv as kernel
+        from ..triton_kernels.attention import attention_backward_dv as kernel
 
         return kernel(q, k, grad, lse, scale, bias)
     return attention_backward_dv_cpu(q, k, grad, lse, bias, scale)

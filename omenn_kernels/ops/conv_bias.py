@@ -199,7 +199,7 @@ def conv2d_ones_backward(grad: torch.Tensor, grad_ones: torch.Tensor, bias: Opti
 
     Without a bias the sum over channels is absent and ``grad`` gives only its shape."""
     if grad.device.type == "cuda":
-        from triton_kernels.conv_bias import conv_bias_ones_backward
+        from ..triton_kernels.conv_bias import conv_bias_ones_backward
 
         return conv_bias_ones_backward(grad, bias, grad_ones, window_sum, input_size, kernel_size,
                                        stride, padding, dilation)

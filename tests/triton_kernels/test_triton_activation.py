@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from kernel_references import torch_activation, xi_reference
 from triton_layouts import DEVICE, gen, nan_offset_view, nan_view
-from triton_kernels.activation import (
+from omenn_kernels.triton_kernels.activation import (
     KINDS,
     _BLOCK,
     _activation_fwd_kernel,

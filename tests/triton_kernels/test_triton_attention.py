@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_layouts import DEVICE, gen
-from triton_kernels.attention import attention_backward_dv, attention_forward
+from omenn_kernels.triton_kernels.attention import attention_backward_dv, attention_forward
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 NEG_INF = float("-inf")

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from kernel_references import bias_share_reference, conv_bias_grads, ones_bar_backward
 from triton_layouts import DEVICE, gen, nan_offset_view, nan_view
-from triton_kernels.conv_bias import bias_share, conv_bias_ones_backward, spread_bias_share
+from omenn_kernels.triton_kernels.conv_bias import bias_share, conv_bias_ones_backward, spread_bias_share
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 RTOL_BOUND = 1e-5
