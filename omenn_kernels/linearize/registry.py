@@ -7,6 +7,7 @@ the graph walker only asks this registry, it knows no operation by name.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -27,8 +28,9 @@ class Rule:
             CONST values, the result is Live (or a tuple/list containing Live). None:
             the operation has no linear form, only a held multiplier's (``multiplier_args``).
         fused: the same contract, running a fused ``torch.ops.omenn`` op where it
-            applies (declared next to the reference in the rule's module); None when
-            the reference math is already the fast path.
+            applies and the reference math elsewhere; attached by :mod:`omenn_kernels.ops`
+            (:func:`attach_fused`), so that no rule imports a kernel. None when the
+            reference math is already the fast path.
         fused_differentiable: the fused op also serves explanations differentiable with
             respect to the parameters (``create_graph``): its backward is made of
             differentiable operations on the parameters, and ``fused`` takes the keyword
@@ -88,23 +90,39 @@ _REFUSED: dict[OpKey, str] = {}
 
 def register(ops: Iterable[OpKey], rule: Rule) -> Rule:
     """Register ``rule`` for each operation (OpOverload or OpOverloadPacket) in ``ops``."""
+    for overload in _overloads(ops):  # out= variants never occur in captured graphs
+        _RULES[overload] = rule
+    return rule
+
+
+def _overloads(ops: Iterable[OpKey]) -> list[OpKey]:
+    found = []
     for op in ops:
         if isinstance(op, torch._ops.OpOverloadPacket):
-            for overload in op.overloads():
-                if not overload.endswith("out"):  # out= variants never occur in captured graphs
-                    _RULES[getattr(op, overload)] = rule
+            found += [getattr(op, name) for name in op.overloads() if not name.endswith("out")]
         else:
-            _RULES[op] = rule
-    return rule
+            found.append(op)
+    return found
+
+
+def attach_fused(ops: Iterable[OpKey], fused_of: Callable[[Rule], Callable[..., Any]],
+                 differentiable: bool) -> None:
+    """Give the rules of ``ops`` their fused form ``fused_of(rule)`` (``Rule.fused``, with
+    ``Rule.fused_differentiable``)."""
+    attached: dict[int, Rule] = {}
+    for op in _overloads(ops):
+        rule = _RULES.get(op)
+        if rule is None:  # an overload that no captured graph holds (out= variants)
+            continue
+        if id(rule) not in attached:
+            attached[id(rule)] = dataclasses.replace(rule, fused=fused_of(rule), fused_differentiable=differentiable)
+        _RULES[op] = attached[id(rule)]
 
 
 def refuse(ops: Iterable[OpKey], why: str) -> None:
     """Record why each operation in ``ops`` has no rule: its error names this reason."""
-    for op in ops:
-        overloads = [getattr(op, name) for name in op.overloads() if not name.endswith("out")] \
-            if isinstance(op, torch._ops.OpOverloadPacket) else [op]
-        for overload in overloads:
-            _REFUSED[overload] = why
+    for overload in _overloads(ops):
+        _REFUSED[overload] = why
 
 
 def refusal(op: OpKey) -> str | None:

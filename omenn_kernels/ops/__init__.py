@@ -25,9 +25,13 @@ sees the Triton kernel itself (and CUDA graphs can capture it); on the CPU the s
 (and ``linear_ones``) calls an opaque op of its own (``activation_cpu``,
 ``conv2d_ones_backward_cpu``, ``linear_ones_cpu``, ...) whose
 CPU kernel is the C++ function, registered with the dispatcher when the extension loads
-(:func:`omenn_kernels.native.define_cpu_op`), so that a call runs no Python. The rules
-(:mod:`omenn_kernels.linearize.rules`) decide where an op applies; this package only
-says what it computes.
+(:func:`omenn_kernels.native.define_cpu_op`), so that a call runs no Python.
+
+This package alone chooses where a fused op runs instead of a rule's reference math
+(:mod:`omenn_kernels.linearize.rules`, which imports nothing from here): each module
+gives :func:`fuse` its op's form of a rule and a ``can_fuse`` predicate, for the eager
+backends, and :func:`traced_as_aten` says which ops a compiled explanation traces as their
+aten math.
 """
 
 from __future__ import annotations
@@ -35,8 +39,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import warnings
+from typing import Any, Callable, Iterable
 
 import torch
+
+from ..linearize.registry import Rule, attach_fused
+from ..linearize.values import Gate, Live, reached
 
 
 @functools.cache
@@ -57,6 +65,39 @@ def kernels_available(tensor: torch.Tensor) -> bool:
     if tensor.device.type == "cuda":
         return _triton_available()
     return False
+
+
+def constants(*operands: Any) -> bool:
+    """Whether no operand depends on the input (a fused op takes its weights as constants)."""
+    return not any(isinstance(operand, (Live, Gate)) for operand in operands)
+
+
+def fills_padding(ones: torch.Tensor) -> bool:
+    """Whether R11' fills positions that only padding reaches, where a bias is added over
+    ``ones`` (:func:`~omenn_kernels.linearize.values.reached`): the fused ops add it over the
+    ones as they are, so the reference math runs there."""
+    return reached(ones) is not ones
+
+
+def fuse(ops: Iterable, can_fuse: Callable[..., bool], run: Callable[..., Any], differentiable: bool) -> None:
+    """Attach a fused op's form to the rules of the aten ``ops`` (``Rule.fused``).
+
+    ``can_fuse(op, *args, value_gradient, **kwargs)``: whether the op applies to these
+    operands (their kinds and shapes, a kernel for their device). ``run`` (the same
+    arguments): the rule's result through the op, or None where R11' fills padded positions
+    (:func:`fills_padding`). The rule's reference math runs wherever the op does not.
+    ``differentiable``: ``run`` also serves explanations differentiable with respect to the
+    parameters (``Rule.fused_differentiable``).
+    """
+    def fused_of(rule: Rule) -> Callable[..., Any]:
+        def fused(op, *args, value_gradient: bool = False, **kwargs):
+            if can_fuse(op, *args, value_gradient=value_gradient, **kwargs):
+                result = run(op, *args, value_gradient=value_gradient, **kwargs)
+                if result is not None:
+                    return result
+            return rule.reference(op, *args, **kwargs)
+        return fused
+    attach_fused(ops, fused_of, differentiable)
 
 
 def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
@@ -87,7 +128,6 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
     the batch, as in autograd's double backward of a convolution.
     """
     from ..native import available as native_available
-    from . import activation, batch_norm_ones, conv_bias, layer_norm_ones, linear_ones, max_pool
 
     omenn = torch.ops.omenn
     table = {omenn.activation.default: activation.reference,
@@ -117,3 +157,10 @@ def shape_only_outputs() -> dict:
     omenn = torch.ops.omenn
     return {omenn.conv2d_ones.default: {1: (1, 2)}, omenn.linear_ones.default: {1: (1,)},
             omenn.linear_ones_cpu.default: {1: (1,)}}
+
+
+# Each module attaches its op's form of a rule.
+from . import activation, attention, batch_norm_ones, conv_bias, layer_norm_ones, linear_ones, max_pool  # noqa: E402
+
+__all__ = ["activation", "attention", "batch_norm_ones", "conv_bias", "constants", "fills_padding", "fuse",
+           "kernels_available", "layer_norm_ones", "linear_ones", "max_pool", "shape_only_outputs", "traced_as_aten"]

@@ -9,7 +9,12 @@ one write. Elementwise ``ξ`` is cheap next to the memory traffic, so the kernel
 the reference's separate ``ξ`` tensor and product.
 
 Kernels: CPU ``csrc/activation.cpp`` (through ``omenn::activation_cpu``), CUDA
-``triton_kernels/activation.py``. Reference: :func:`reference`.
+``triton_kernels/activation.py``. Reference: :func:`reference`, the rule's ``ξ``
+(:func:`~omenn_kernels.linearize.rules.activation.multiplier`).
+
+The rule's fused form runs where a kernel exists; where ``ξ`` must follow the parameters
+(a total parameter gradient through a smooth activation, which gives the rule a held
+value) the rule's reference math runs instead.
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from __future__ import annotations
 import torch
 from torch.library import triton_op
 
+from ..linearize.registry import arguments
+from ..linearize.rules.activation import multiplier
+from ..linearize.values import Live
 from ..native import define_cpu_op
+from . import fuse, kernels_available
 
 aten = torch.ops.aten
 
@@ -40,8 +49,6 @@ def fused_kind(op, rest: list) -> tuple[str, float] | None:
 
 def _multiplier(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
     """``ξ(x)`` by the rule's reference math."""
-    from ..linearize.rules.activation import multiplier
-
     op, rest = {"gelu": (aten.gelu.default, ()), "gelu_tanh": (aten.gelu.default, ("tanh",)),
                 "silu": (aten.silu.default, ()), "relu": (aten.relu.default, ()),
                 "hardswish": (aten.hardswish.default, ()),
@@ -112,3 +119,18 @@ def _activation_backward_grad(ctx, grad_grad):
 
 
 activation_backward.register_autograd(_activation_backward_grad, setup_context=_activation_backward_setup)
+
+
+def _can_fuse(op, *args, value_gradient: bool = False, **kwargs) -> bool:
+    x, *rest = arguments(op, args, kwargs)
+    kind = fused_kind(op, rest)
+    return kind is not None and kernels_available(x.value) and (x.held is None or kind[0] in PIECEWISE_CONSTANT)
+
+
+def _fused(op, *args, value_gradient: bool = False, **kwargs) -> Live:
+    """R4 through :func:`activation`: ``x·ξ(x)`` (every activation with a kernel has ``f(0) = 0``)."""
+    x, *rest = arguments(op, args, kwargs)
+    return Live(activation(x.value, *fused_kind(op, rest)), x.ones)
+
+
+fuse([aten.relu, aten.leaky_relu, aten.gelu, aten.silu, aten.hardswish], _can_fuse, _fused, differentiable=True)

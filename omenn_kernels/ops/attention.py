@@ -26,7 +26,11 @@ from torch.library import triton_op
 from torch.utils.flop_counter import (flop_registry, register_flop_formula, sdpa_backward_flop_count,
                                       sdpa_flop_count)
 
+from ..linearize.registry import arguments
+from ..linearize.rules import attention as attention_rules
+from ..linearize.values import Gate, Live, plain
 from ..native import define_cpu_op
+from . import fuse, kernels_available
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -164,3 +168,52 @@ def _attention_backward_dv_grad(ctx, grad_dv):
 
 
 attention_backward_dv.register_autograd(_attention_backward_dv_grad, setup_context=_attention_backward_dv_setup)
+
+
+def additive_mask(mask, is_causal: bool, tq: int, tk: int, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """SDPA's boolean / float mask and causal flag as one additive float bias (or None)."""
+    bias = None
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=like.device).masked_fill(
+            ~mask, float("-inf")) if mask.dtype == torch.bool else mask.float()
+    if is_causal:
+        causal = torch.ones(tq, tk, dtype=torch.bool, device=like.device).tril()
+        causal_bias = torch.zeros(tq, tk, device=like.device).masked_fill(~causal, float("-inf"))
+        bias = causal_bias if bias is None else bias + causal_bias
+    return bias
+
+
+def _can_fuse(op, *args, value_gradient: bool = False, **kwargs) -> bool:
+    """Self-attention over LIVE or gated queries, where a kernel exists; on the CPU only weights that
+    do not fit in one chunk (smaller ones keep the reference form, which saves ``A`` instead of
+    recomputing it). Weights that follow the parameters (a held value, or ``Q`` and ``K`` with a
+    gradient: a total parameter gradient) run the reference: the op's ``dV`` differentiates again
+    only with ``Q`` and ``K`` held."""
+    query, key, value, _mask, dropout = arguments(op, args, kwargs)[:5]
+    q, k = plain(query), plain(key)
+    return (isinstance(value, Live) and isinstance(query, (Live, Gate)) and not dropout
+            and kernels_available(value.value) and value.held is None
+            and not q.requires_grad and not k.requires_grad
+            and q.shape[-2] == k.shape[-2] and q.dim() == 4 and not attention_rules.weights_fit_one_chunk(q, k))
+
+
+def _fused(op, *args, value_gradient: bool = False, **kwargs) -> Live:
+    """R6 through :func:`attention`. ``value_gradient`` is never set here: attention's multipliers
+    follow the held values (``Rule.held_multipliers``), so a total gradient always runs the held
+    forward."""
+    query, key, value, mask, _dropout, is_causal, scale, enable_gqa = arguments(op, args, kwargs)
+    q, k = plain(query), plain(key)
+    v, ones = value.value, value.ones
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        repeat = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+        ones = ones if ones.shape[-3] == 1 else ones.repeat_interleave(repeat, dim=-3)
+    bias = additive_mask(plain(mask), is_causal, q.shape[-2], k.shape[-2], q)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # The op keeps Q and K for dV: compact copies, so that a fused qkv projection's output
+    # (with its value third) is not kept alive through the backward.
+    out, _ = attention(q.contiguous(), k.contiguous(), v, bias, scale)
+    return Live(out, ones)
+
+
+fuse([torch.ops.aten.scaled_dot_product_attention], _can_fuse, _fused, differentiable=True)

@@ -7,6 +7,8 @@ instead of the reference's broadcast products and their gradients. The backward 
 made of differentiable products with ``s`` and ``b'``, so explanations differentiable
 with respect to the parameters run it too.
 
+Where R11' fills padded positions the rule's reference math runs.
+
 Kernels: aten on every device. Reference: the rule's ``batch_norm_affine``
 (:mod:`omenn_kernels.linearize.rules.norm`).
 """
@@ -15,10 +17,10 @@ from __future__ import annotations
 
 import torch
 
-
-def channel_view(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A per-channel (dim 1) parameter shaped to broadcast against ``like``."""
-    return param.view(1, -1, *([1] * (like.dim() - 2)))
+from ..linearize.registry import arguments
+from ..linearize.rules.norm import affine_of, channel_view
+from ..linearize.values import Live, with_parameter_gradient
+from . import fills_padding, fuse
 
 
 def value(x: torch.Tensor, ones: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -108,3 +110,24 @@ def _batch_norm_ones_grad(ctx, grad):
 
 
 batch_norm_ones.register_autograd(_batch_norm_ones_grad, setup_context=_batch_norm_ones_setup)
+
+
+def _affine_gradients(x: torch.Tensor):
+    reduced = [0, *range(2, x.dim())]
+    return lambda grad: ((grad * x).sum(reduced), grad.sum(reduced))
+
+
+def _fused(op, *args, value_gradient: bool = False, **kwargs):
+    x, weight, bias, mean, var, _momentum, eps = arguments(op, args, kwargs)
+    if fills_padding(x.ones):
+        return None
+    scale, shift = affine_of(weight, bias, mean, var, eps)
+    empty = x.value.new_empty(0)
+    value = batch_norm_ones(x.value, x.ones, scale, shift)
+    if value_gradient:  # the gradient of s and b' on a node of its own (Rule.fused_differentiable)
+        value = with_parameter_gradient(value, (scale, shift), _affine_gradients(x.value.detach()))
+    return Live(value, x.ones), empty, empty
+
+
+fuse([torch.ops.aten._native_batch_norm_legit_no_training], lambda op, *args, **kwargs: True, _fused,
+     differentiable=True)

@@ -34,22 +34,11 @@ import torch.nn.functional as F
 from torch.library import triton_op
 from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
-from ..linearize.values import channel_rows, channels_last
+from ..linearize.registry import arguments
+from ..linearize.rules.conv import cuts_patches, pair
+from ..linearize.values import Live, channel_rows, channels_last, with_parameter_gradient
 from ..native import define_cpu_op
-
-
-def pair(value, dims: int = 2) -> list[int]:
-    """An int or a sequence as a list of ``dims`` ints (a convolution's stride, padding, ...)."""
-    return list(value) * (dims // len(value)) if isinstance(value, (list, tuple)) else [value] * dims
-
-
-def cuts_patches(x: torch.Tensor, weight_shape, stride, padding, dilation, groups: int) -> bool:
-    """Whether a 2-D convolution cuts ``x`` into whole non-overlapping patches (a ViT's patch embedding)."""
-    kernel = list(weight_shape[2:])
-    if x.dim() != 4 or groups != 1 or isinstance(padding, str):
-        return False
-    return (pair(stride) == kernel and pair(padding) == [0, 0] and pair(dilation) == [1, 1]
-            and x.shape[2] % kernel[0] == 0 and x.shape[3] % kernel[1] == 0)
+from . import constants, fills_padding, fuse, kernels_available
 
 
 def value_and_ones(x: torch.Tensor, ones: torch.Tensor, window_sum: torch.Tensor, weight: torch.Tensor,
@@ -293,3 +282,48 @@ def _conv2d_ones_grad(ctx, grad, grad_ones):
 
 
 conv2d_ones.register_autograd(_conv2d_ones_grad, setup_context=_conv2d_ones_setup)
+
+
+def _can_fuse(op, *args, value_gradient: bool = False, **kwargs) -> bool:
+    """2-D convolutions with ones shared per pixel (or per channel without groups) and constant
+    weights, where a kernel exists."""
+    x, weight, bias, _stride, padding, _dilation, groups = arguments(op, args, kwargs)
+    return (op is torch.ops.aten.conv2d.default and isinstance(x, Live) and x.value.dim() == 4
+            and x.ones.dim() == 4 and (x.ones.shape[1] == 1 or groups == 1)
+            and kernels_available(x.value) and not isinstance(padding, str) and constants(weight, bias))
+
+
+def _conv_parameter_gradients(x: torch.Tensor, weight: torch.Tensor, has_bias: bool, stride, padding,
+                              dilation, groups: int):
+    def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        grad_weight = weight_grad(grad, x, weight, stride, padding, dilation, groups)
+        return (grad_weight, grad.sum((0, 2, 3))) if has_bias else (grad_weight,)
+    return gradients
+
+
+def _fused(op, *args, value_gradient: bool = False, **kwargs):
+    """R2 through ``omenn::conv2d_ones`` for 2-D convolutions with ones shared per pixel.
+
+    ``value_gradient`` (see :class:`Rule`): the value also carries the weight's and the
+    bias's gradient (``Ō`` is 1 wherever a bias is added), on a node of its own.
+    """
+    x, weight, bias, stride, padding, dilation, groups = arguments(op, args, kwargs)
+    stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
+    # Per-channel ones (after max pooling) enter summed over the channels: S counts them
+    # all, and each channel's ones get the same 1/S share, as in the reference.
+    ones = x.ones if x.ones.shape[1] == 1 else x.ones.sum(1, keepdim=True)
+    ones = ones.expand(x.value.shape[0], 1, *x.value.shape[2:])
+    window = ones.new_ones(1, 1, *weight.shape[2:])
+    window_sum = F.conv2d(ones.detach(), window, None, stride, padding, dilation)
+    if bias is not None and fills_padding(window_sum):
+        return None
+    value, ones_out = conv2d_ones(x.value, ones, window_sum.float(), weight, bias, stride, padding,
+                                  dilation, groups)
+    if value_gradient:
+        value = with_parameter_gradient(value, (weight,) if bias is None else (weight, bias),
+                                        _conv_parameter_gradients(x.value.detach(), weight, bias is not None,
+                                                                  stride, padding, dilation, groups))
+    return Live(value, ones_out)
+
+
+fuse([torch.ops.aten.conv2d], _can_fuse, _fused, differentiable=True)

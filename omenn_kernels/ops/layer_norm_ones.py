@@ -22,6 +22,11 @@ from typing import Optional
 
 import torch
 
+from ..linearize.registry import arguments
+from ..linearize.rules.norm import as_op_result
+from ..linearize.values import Live
+from . import constants, fills_padding, fuse
+
 
 def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -63,3 +68,25 @@ def _layer_norm_ones_grad(ctx, grad, grad_ones_bar, _grad_inverse_scale):
 
 
 layer_norm_ones.register_autograd(_layer_norm_ones_grad, setup_context=_layer_norm_ones_setup)
+
+
+def _can_fuse(op, *args, value_gradient: bool = False, **kwargs) -> bool:
+    """One normalized dim, constant ``γ`` and ``β``, and ``1/σ`` held with respect to the parameters
+    too (no held value and no value gradient: first-order or fixed multipliers)."""
+    x, shape, weight, bias = arguments(op, args, kwargs)[:4]
+    return len(shape) == 1 and x.held is None and not value_gradient and constants(weight, bias)
+
+
+def _fused(op, *args, value_gradient: bool = False, **kwargs):
+    """R3' through ``omenn::layer_norm_ones`` over one normalized dim, where ``1/σ`` is held
+    with respect to the parameters too (no held value: first-order or fixed multipliers)."""
+    x, shape, weight, bias, eps = arguments(op, args, kwargs)[:5]
+    ones_bar = x.ones.mean(-1, keepdim=True)
+    if bias is not None and fills_padding(ones_bar):
+        return None
+    ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
+    value, ones_bar, _inverse_scale = layer_norm_ones(x.value, ones, weight, bias, eps)
+    return as_op_result(op, x, Live(value, ones_bar))
+
+
+fuse([torch.ops.aten.layer_norm, torch.ops.aten.native_layer_norm], _can_fuse, _fused, differentiable=True)

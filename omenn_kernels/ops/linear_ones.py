@@ -9,6 +9,10 @@ shrinks to the value third, one of the three products a gradient computes there.
 features, so explanations differentiable with respect to the parameters run it too. Without
 a bias the backward does no ones work beyond passing on the ones' own gradient.
 
+With a held forward (the total parameter gradient) the rule's value takes the numbers of
+the model's own output on the held values, and only that backward is the op's
+(:class:`_LinearOfHeld`).
+
 Kernels: aten's matrix products on every device; on the CPU the forward's calls are made
 from C++ (``omenn::linear_ones_cpu``, ``csrc/linear_ones.cpp``), which a compiled
 explanation calls without the Python of this op. Reference: the rule's ``_linear``
@@ -24,7 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
+from ..linearize.registry import arguments
+from ..linearize.values import Live, with_parameter_gradient
 from ..native import available, define_cpu_op
+from . import constants, fills_padding, fuse
 
 
 def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -151,3 +158,66 @@ def _linear_ones_grad(ctx, grad, grad_ones_bar):
 
 
 linear_ones.register_autograd(_linear_ones_grad, setup_context=_linear_ones_setup)
+
+
+def _can_fuse(op, *args, value_gradient: bool = False, **kwargs) -> bool:
+    x, weight, bias = arguments(op, args, kwargs)[:3]
+    return isinstance(x, Live) and constants(weight, bias)
+
+
+def _linear_parameter_gradients(x: torch.Tensor, ones_bar: torch.Tensor, has_bias: bool):
+    def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        grad_weight = grad.flatten(0, -2).transpose(0, 1).matmul(x.flatten(0, -2))
+        return (grad_weight, (grad * ones_bar).flatten(0, -2).sum(0)) if has_bias else (grad_weight,)
+    return gradients
+
+
+class _LinearOfHeld(torch.autograd.Function):
+    """R1's value with the numbers of the model's own ``held·Wᵀ + b`` (equal up to rounding).
+
+    With a held forward (a total parameter gradient through smooth multipliers) the
+    model's linear runs on the held values anyway; the linearized value needs only its
+    backward, ``dX = dY·W`` (``omenn::linear_input_grad``, which differentiates again) and
+    ``dŌ = dY·b``, so its own product is not computed. ``W`` and ``b`` get their
+    gradient through the held output and through that backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, ones_bar: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                held_output: torch.Tensor, receiving: tuple[int, int]) -> torch.Tensor:
+        ctx.save_for_backward(weight, bias)
+        ctx.ones_shape, ctx.receiving = ones_bar.shape, receiving
+        return held_output.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight, bias = ctx.saved_tensors
+        grad_ones_bar = None
+        if bias is not None:
+            grad_ones_bar = grad.matmul(bias.to(grad.dtype)).unsqueeze(-1).sum_to_size(ctx.ones_shape)
+        return linear_input_grad(grad, weight, *ctx.receiving), grad_ones_bar, None, None, None, None
+
+
+def _fused(op, *args, receiving: tuple[int, int] | None = None, value_gradient: bool = False, **kwargs):
+    """R1 through ``omenn::linear_ones``; from the held output where there is one
+    (:class:`_LinearOfHeld`). The backward multiplies only the ``receiving`` block of output
+    features (see :class:`~omenn_kernels.linearize.registry.Rule`); without a bias it does
+    no ones work."""
+    x, weight, bias = arguments(op, args, kwargs)
+    block = receiving if receiving is not None else (0, weight.shape[0])
+    ones_bar = x.ones.mean(-1, keepdim=True)
+    if bias is not None and fills_padding(ones_bar):
+        return None
+    if x.held is not None:
+        held = F.linear(x.held, weight, bias)
+        return Live(_LinearOfHeld.apply(x.value, ones_bar, weight, bias, held, block), ones_bar, held)
+    ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
+    value, ones_bar = linear_ones(x.value, ones, weight, bias, *block)
+    if value_gradient:  # the weight's and bias's gradient on a node of its own (Rule.fused_differentiable)
+        value = with_parameter_gradient(value, (weight,) if bias is None else (weight, bias),
+                                        _linear_parameter_gradients(x.value.detach(), ones_bar.detach(),
+                                                                    bias is not None))
+    return Live(value, ones_bar)
+
+
+fuse([torch.ops.aten.linear], _can_fuse, _fused, differentiable=True)

@@ -137,11 +137,12 @@ def test_attention_op_differentiates_again_with_its_weights_held(parameter_gradi
     multipliers, whose ``dV`` differentiates again; with a total gradient the weights follow
     the parameters and the reference rule runs. Both give the reference backend's gradients."""
     from omenn_kernels.linearize.rules import attention as attention_rules
+    from omenn_kernels.ops import attention as attention_op
 
     calls = []
-    real = attention_rules.attention
+    real = attention_op.attention
     monkeypatch.setattr(attention_rules, "_CHUNK_BYTES", 0)
-    monkeypatch.setattr(attention_rules, "attention", lambda *args: calls.append(1) or real(*args))
+    monkeypatch.setattr(attention_op, "attention", lambda *args: calls.append(1) or real(*args))
     _assert_fused_matches_reference("vit", parameter_gradient)
     assert bool(calls) == (parameter_gradient == "fixed_multipliers")
 

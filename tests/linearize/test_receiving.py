@@ -16,7 +16,7 @@ from omenn_kernels import Explainer
 from omenn_kernels.capture import capture
 from omenn_kernels.linearize import linearize, receiving
 from omenn_kernels.linearize.program import Kind
-from omenn_kernels.linearize.rules import linear as linear_rules
+from omenn_kernels.ops import linear_ones as linear_op
 from omenn_kernels.testing import randomize_
 
 
@@ -83,13 +83,13 @@ def test_a_bias_free_qkv_multiplies_its_value_third_only(monkeypatch):
                                          qkv_bias=False).double().eval())
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
     calls = []
-    fused = linear_rules.linear_ones
+    fused = linear_op.linear_ones
 
     def spy(x, ones, weight, bias, start, stop):
         calls.append((bias is None, start, stop, weight.shape[0]))
         return fused(x, ones, weight, bias, start, stop)
 
-    monkeypatch.setattr(linear_rules, "linear_ones", spy)
+    monkeypatch.setattr(linear_op, "linear_ones", spy)
     got = Explainer(model, backend="fused")(x, 3)
     want = Explainer(model, backend="reference")(x, 3)
     width = model.embed_dim

@@ -1,10 +1,7 @@
 """R4: elementwise activations as ``f(0)·O + x·stopgrad(ξ(x))``.
 
-Fused op ``omenn::activation`` (GELU, tanh-GELU, SiLU, ReLU, LeakyReLU, Hardswish;
-:mod:`omenn_kernels.ops.activation`): forward ``x·ξ(x)``, backward ``dy·ξ(x)``
-recomputed from the saved ``x``. Where ``ξ`` must follow the parameters (a total
-parameter gradient through a smooth activation, which gives the rule a held value) the
-rule runs its reference math instead.
+Fused op ``omenn::activation`` (GELU, tanh-GELU, SiLU, ReLU, LeakyReLU, Hardswish):
+:mod:`omenn_kernels.ops.activation`.
 
 ``ξ(x) = (f(x) − f(0))/x`` with ``ξ(0) = f'(0)``. Closed forms are used where they
 exist (GELU: Φ(x), SiLU: σ(x), ReLU: 1[x>0], Hardswish: relu6(x+3)/6); every other
@@ -21,8 +18,6 @@ from typing import Callable
 
 import torch
 
-from ...ops import kernels_available
-from ...ops.activation import PIECEWISE_CONSTANT, activation, fused_kind
 from ..registry import Rule, arguments, register
 from ..values import Live, plain
 
@@ -84,27 +79,14 @@ def _activation(op, *args, **kwargs):
     return Live(value, x.ones)
 
 
-def _fused_activation(op, *args, value_gradient: bool = False, **kwargs):
-    """R4 through ``omenn::activation`` where a kernel exists; the reference math otherwise,
-    and where a smooth ``ξ`` must follow the parameters through the held value."""
-    x, *rest = arguments(op, args, kwargs)
-    kind = fused_kind(op, rest)
-    if kind is None or not kernels_available(x.value) or (
-            x.held is not None and kind[0] not in PIECEWISE_CONSTANT):
-        return _activation(op, *args, **kwargs)
-    return Live(activation(x.value, *kind), x.ones)
-
-
 # Piecewise-constant multipliers (0/1, or 1/slope): their derivative is zero, so they do not
 # change with the parameters.
 register([aten.relu, aten.leaky_relu, aten.hardshrink],
-         Rule("R4 elementwise activation", _activation, _fused_activation, fused_differentiable=True,
-              held_multipliers=False, multiplier_args=(0,)))
+         Rule("R4 elementwise activation", _activation, held_multipliers=False, multiplier_args=(0,)))
 register([aten.gelu, aten.silu, aten.hardswish, aten.elu, aten.celu, aten.selu, aten.hardtanh,
           aten.relu6, aten.tanh, aten.softplus, aten.mish, aten.softshrink, aten.clamp.default,
           aten.clamp_min.default, aten.clamp_max.default, aten.log_sigmoid, aten.sin, aten.cos, aten.tan,
           aten.asin, aten.acos, aten.atan, aten.sinh, aten.cosh, aten.asinh, aten.atanh, aten.expm1, aten.log1p],
-         Rule("R4 elementwise activation", _activation, _fused_activation, fused_differentiable=True,
-              multiplier_args=(0,)))
+         Rule("R4 elementwise activation", _activation, multiplier_args=(0,)))
 register([aten.sigmoid, aten.hardsigmoid],
          Rule("R4 elementwise activation / R5 gate", _activation, may_gate=True))

@@ -8,13 +8,9 @@ ones of ``V`` (token identity, the paper's ``W̃_aug ⊗ I``).
 R6': when the queries are not the value tokens (another token count) the ones of
 ``Y`` are the attention-weighted mean of the value tokens' ones, renormalized.
 
-Fused op ``omenn::attention`` (R6; :mod:`omenn_kernels.ops.attention`): the forward is
-flash attention saving the log-sum-exp; the backward computes only ``dV = Pᵀ·dO``. On the
-CPU, attention whose weights of all heads fit in one chunk (:data:`_CHUNK_BYTES`) keeps
-the reference form, which saves ``A`` instead of recomputing it; larger weights go
-through the op and are never written out. Explanations differentiated with respect to
-the parameters with the multipliers held (``fixed_multipliers``) run the op too: its
-``dV`` differentiates again with respect to ``dO``.
+Fused op ``omenn::attention`` (R6): :mod:`omenn_kernels.ops.attention`. On the CPU,
+attention whose weights of all heads fit in one chunk (:data:`_CHUNK_BYTES`) keeps the
+reference form, which saves ``A`` instead of recomputing it.
 
 With held values that follow the parameters (a total parameter gradient, where an
 explanation inside a loss is differentiated twice), self-attention without a mask runs
@@ -31,8 +27,6 @@ from typing import Optional
 import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from ...ops import kernels_available
-from ...ops.attention import attention
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Gate, Live, ones_from_values, plain, renormalized
 
@@ -298,50 +292,10 @@ def _sdpa(op, *args, **kwargs):
     return attended(weights, value, queries_are_tokens=queries_are_tokens, softmax_rows=True)
 
 
-def _additive_mask(mask, is_causal: bool, tq: int, tk: int, like: torch.Tensor) -> Optional[torch.Tensor]:
-    """SDPA's boolean / float mask and causal flag as one additive float bias (or None)."""
-    bias = None
-    if mask is not None:
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=like.device).masked_fill(
-            ~mask, float("-inf")) if mask.dtype == torch.bool else mask.float()
-    if is_causal:
-        causal = torch.ones(tq, tk, dtype=torch.bool, device=like.device).tril()
-        causal_bias = torch.zeros(tq, tk, device=like.device).masked_fill(~causal, float("-inf"))
-        bias = causal_bias if bias is None else bias + causal_bias
-    return bias
-
-
-def _weights_fit_one_chunk(q: torch.Tensor, k: torch.Tensor) -> bool:
+def weights_fit_one_chunk(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether the CPU would hold all heads' float32 weights in one chunk: then saving them
     costs no more than recomputing them for ``dV``, and little memory."""
     return q.device.type == "cpu" and q[..., 0].numel() * k.shape[-2] * 4 <= _CHUNK_BYTES
-
-
-def _fused_sdpa(op, *args, value_gradient: bool = False, **kwargs):
-    """R6 through ``omenn::attention``; the reference form for R6', on the CPU for weights
-    that fit in one chunk, and for weights that follow the parameters (a total parameter
-    gradient: the op's ``dV`` differentiates again only with ``Q`` and ``K`` held).
-    ``value_gradient`` is never set here: attention's multipliers follow the held values
-    (``Rule.held_multipliers``), so a total gradient always runs the held forward."""
-    query, key, value, mask, dropout, is_causal, scale, enable_gqa = arguments(op, args, kwargs)
-    q, k = plain(query), plain(key)
-    fusable = (isinstance(value, Live) and isinstance(query, (Live, Gate)) and not dropout
-               and kernels_available(value.value) and value.held is None
-               and not q.requires_grad and not k.requires_grad
-               and q.shape[-2] == k.shape[-2] and q.dim() == 4 and not _weights_fit_one_chunk(q, k))
-    if not fusable:
-        return _sdpa(op, *args, **kwargs)
-    v, ones = value.value, value.ones
-    if enable_gqa and k.shape[-3] != q.shape[-3]:
-        repeat = q.shape[-3] // k.shape[-3]
-        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
-        ones = ones if ones.shape[-3] == 1 else ones.repeat_interleave(repeat, dim=-3)
-    bias = _additive_mask(plain(mask), is_causal, q.shape[-2], k.shape[-2], q)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    # The op keeps Q and K for dV: compact copies, so that a fused qkv projection's output
-    # (with its value third) is not kept alive through the backward.
-    out, _ = attention(q.contiguous(), k.contiguous(), v, bias, scale)
-    return Live(out, ones)
 
 
 def _softmax_outside_gate(op, *args, **kwargs):
@@ -350,6 +304,6 @@ def _softmax_outside_gate(op, *args, **kwargs):
 
 
 register([aten.scaled_dot_product_attention],
-         Rule("R6 attention", _sdpa, _fused_sdpa, fused_differentiable=True, gate_args=(0, 1, 3)))
+         Rule("R6 attention", _sdpa, gate_args=(0, 1, 3)))
 register([aten.softmax, aten._softmax, aten._safe_softmax],
          Rule("R5 gate", _softmax_outside_gate, may_gate=True, live=False))

@@ -6,10 +6,8 @@ ones over p's receptive field (zero padding counts as 0), and ``Ō = 0`` where
 bias of each output position goes in equal shares to the real input positions it
 sees. Any stride, padding, dilation and groups.
 
-Fused op ``omenn::conv2d_ones`` (2-D, ones shared per pixel;
-:mod:`omenn_kernels.ops.conv_bias`): the value is the convolution with its bias, and the
-backward reduces ``Σ_c dy_c·b_c`` per output position, divides by ``S`` and scatters it
-over the receptive field in one kernel.
+Fused op ``omenn::conv2d_ones`` (2-D, ones shared per pixel):
+:mod:`omenn_kernels.ops.conv_bias`.
 """
 
 from __future__ import annotations
@@ -17,14 +15,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...ops import kernels_available
-from ...ops.conv_bias import conv2d_ones, cuts_patches, pair, weight_grad
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, reached, renormalized, with_parameter_gradient
+from ..values import Gate, Live, reached, renormalized
 
 aten = torch.ops.aten
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def pair(value, dims: int = 2) -> list[int]:
+    """An int or a sequence as a list of ``dims`` ints (a convolution's stride, padding, ...)."""
+    return list(value) * (dims // len(value)) if isinstance(value, (list, tuple)) else [value] * dims
+
+
+def cuts_patches(x: torch.Tensor, weight_shape, stride, padding, dilation, groups: int) -> bool:
+    """Whether a 2-D convolution cuts ``x`` into whole non-overlapping patches (a ViT's patch embedding)."""
+    kernel = list(weight_shape[2:])
+    if x.dim() != 4 or groups != 1 or isinstance(padding, str):
+        return False
+    return (pair(stride) == kernel and pair(padding) == [0, 0] and pair(dilation) == [1, 1]
+            and x.shape[2] % kernel[0] == 0 and x.shape[3] % kernel[1] == 0)
 
 
 def receptive_ones(ones: torch.Tensor, weight_shape, stride, padding, dilation, groups: int) -> torch.Tensor:
@@ -89,46 +99,5 @@ def _conv(op, *args, **kwargs):
     return convolved(x, weight, bias, stride, padding, dilation, groups)
 
 
-def _conv_parameter_gradients(x: torch.Tensor, weight: torch.Tensor, has_bias: bool, stride, padding,
-                              dilation, groups: int):
-    def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        grad_weight = weight_grad(grad, x, weight, stride, padding, dilation, groups)
-        return (grad_weight, grad.sum((0, 2, 3))) if has_bias else (grad_weight,)
-    return gradients
-
-
-def _fused_conv(op, *args, value_gradient: bool = False, **kwargs):
-    """R2 through ``omenn::conv2d_ones`` for 2-D convolutions with ones shared per pixel.
-
-    ``value_gradient`` (see :class:`Rule`): the value also carries the weight's and the
-    bias's gradient (``Ō`` is 1 wherever a bias is added), on a node of its own.
-    """
-    bound = arguments(op, args, kwargs)
-    x = bound[0]
-    _, weight, bias, stride, padding, dilation, groups = bound
-    fusable = (op is aten.conv2d.default and isinstance(x, Live) and x.value.dim() == 4
-               and x.ones.dim() == 4 and (x.ones.shape[1] == 1 or groups == 1)
-               and kernels_available(x.value) and not isinstance(padding, str)
-               and not isinstance(weight, (Live, Gate)) and not isinstance(bias, (Live, Gate)))
-    if not fusable:
-        return _conv(op, *args, **kwargs)
-    stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
-    # Per-channel ones (after max pooling) enter summed over the channels: S counts them
-    # all, and each channel's ones get the same 1/S share, as in the reference.
-    ones = x.ones if x.ones.shape[1] == 1 else x.ones.sum(1, keepdim=True)
-    ones = ones.expand(x.value.shape[0], 1, *x.value.shape[2:])
-    window = ones.new_ones(1, 1, *weight.shape[2:])
-    window_sum = F.conv2d(ones.detach(), window, None, stride, padding, dilation)
-    if bias is not None and reached(window_sum) is not window_sum:  # R11' fills padded positions
-        return _conv(op, *args, **kwargs)
-    value, ones_out = conv2d_ones(x.value, ones, window_sum.float(), weight, bias, stride, padding,
-                                  dilation, groups)
-    if value_gradient:
-        value = with_parameter_gradient(value, (weight,) if bias is None else (weight, bias),
-                                        _conv_parameter_gradients(x.value.detach(), weight, bias is not None,
-                                                                  stride, padding, dilation, groups))
-    return Live(value, ones_out)
-
-
 register([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution],
-         Rule("R2 convolution", _conv, _fused_conv, fused_differentiable=True, held_multipliers=False))
+         Rule("R2 convolution", _conv, held_multipliers=False))

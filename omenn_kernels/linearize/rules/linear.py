@@ -3,13 +3,9 @@
 ``y = xW + b·Ō`` with ``Ō`` the mean of the ones over the contracted dimension.
 A product of a gate with LIVE tokens (``A·V`` written out) is attention: R6.
 
-Fused op ``omenn::linear_ones`` (:mod:`omenn_kernels.ops.linear_ones`): the value
-rounded as the reference rounds it, and a backward that multiplies only the output
-features that receive a gradient. Features that only feed gates (the query and key
-thirds of a fused ``qkv`` projection) get none, for any input: the graph walker finds
-them once (``Rule.receiving``). With a held forward (the total parameter gradient) the
-value's numbers are the model's own output on the held values, and only that backward
-is the rule's (``_LinearOfHeld``).
+Fused op ``omenn::linear_ones``: :mod:`omenn_kernels.ops.linear_ones`. Output features
+that only feed gates (the query and key thirds of a fused ``qkv`` projection) receive no
+gradient, for any input: the graph walker finds them once (``Rule.receiving``).
 """
 
 from __future__ import annotations
@@ -19,9 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ...ops.linear_ones import linear_input_grad, linear_ones
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, reached, with_parameter_gradient
+from ..values import Gate, Live, reached
 from .attention import attended
 
 aten = torch.ops.aten
@@ -42,64 +37,6 @@ def _linear(op, *args, receiving: tuple[int, int] | None = None, **kwargs):
         ones = reached(ones)
         value = value + bias * ones
     return Live(value, ones)
-
-
-def _linear_parameter_gradients(x: torch.Tensor, ones_bar: torch.Tensor, has_bias: bool):
-    def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        grad_weight = grad.flatten(0, -2).transpose(0, 1).matmul(x.flatten(0, -2))
-        return (grad_weight, (grad * ones_bar).flatten(0, -2).sum(0)) if has_bias else (grad_weight,)
-    return gradients
-
-
-class _LinearOfHeld(torch.autograd.Function):
-    """R1's value with the numbers of the model's own ``held·Wᵀ + b`` (equal up to rounding).
-
-    With a held forward (a total parameter gradient through smooth multipliers) the
-    model's linear runs on the held values anyway; the linearized value needs only its
-    backward, ``dX = dY·W`` (``omenn::linear_input_grad``, which differentiates again) and
-    ``dŌ = dY·b``, so its own product is not computed. ``W`` and ``b`` get their
-    gradient through the held output and through that backward.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, ones_bar: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                held_output: torch.Tensor, receiving: tuple[int, int]) -> torch.Tensor:
-        ctx.save_for_backward(weight, bias)
-        ctx.ones_shape, ctx.receiving = ones_bar.shape, receiving
-        return held_output.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        weight, bias = ctx.saved_tensors
-        grad_ones_bar = None
-        if bias is not None:
-            grad_ones_bar = grad.matmul(bias.to(grad.dtype)).unsqueeze(-1).sum_to_size(ctx.ones_shape)
-        return linear_input_grad(grad, weight, *ctx.receiving), grad_ones_bar, None, None, None, None
-
-
-def _fused_linear(op, *args, receiving: tuple[int, int] | None = None, value_gradient: bool = False,
-                  **kwargs):
-    """R1 through ``omenn::linear_ones``; from the held output where there is one
-    (:class:`_LinearOfHeld`). The backward multiplies only the ``receiving`` block of output
-    features (see :class:`~omenn_kernels.linearize.registry.Rule`); without a bias it does
-    no ones work."""
-    x, weight, bias = arguments(op, args, kwargs)
-    if not isinstance(x, Live) or isinstance(weight, (Live, Gate)) or isinstance(bias, (Live, Gate)):
-        return _linear(op, *args, **kwargs)
-    block = receiving if receiving is not None else (0, weight.shape[0])
-    ones_bar = x.ones.mean(-1, keepdim=True)
-    if bias is not None and reached(ones_bar) is not ones_bar:  # R11' fills padded positions: the reference math
-        return _linear(op, *args, **kwargs)
-    if x.held is not None:
-        held = F.linear(x.held, weight, bias)
-        return Live(_LinearOfHeld.apply(x.value, ones_bar, weight, bias, held, block), ones_bar, held)
-    ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
-    value, ones_bar = linear_ones(x.value, ones, weight, bias, *block)
-    if value_gradient:  # the weight's and bias's gradient on a node of its own (Rule.fused_differentiable)
-        value = with_parameter_gradient(value, (weight,) if bias is None else (weight, bias),
-                                        _linear_parameter_gradients(x.value.detach(), ones_bar.detach(),
-                                                                    bias is not None))
-    return Live(value, ones_bar)
 
 
 def _right_constant(x: Live, weight: torch.Tensor, product) -> Live:
@@ -214,8 +151,7 @@ def _gated_einsum(operands: list, subscripts: list[str], output: str, index: int
                 None if product.held is None else product.held.permute(back))
 
 
-register([aten.linear], Rule("R1 linear", _linear, _fused_linear, fused_differentiable=True,
-                             held_multipliers=False, receiving=True))
+register([aten.linear], Rule("R1 linear", _linear, held_multipliers=False, receiving=True))
 register([aten.matmul, aten.mm, aten.bmm],
          Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1), held_multipliers=False))
 register([aten.addmm], Rule("R1 linear", _addmm, held_multipliers=False))

@@ -6,60 +6,39 @@ R3' (LayerNorm, GroupNorm, RMSNorm): centring stays linear, ``1/σ`` (or 1/rms) 
 detached multiplier, ``γ`` scales and ``β`` is carried by ``Ō``, the mean of the ones
 over the normalized dimensions.
 
-Fused op ``omenn::batch_norm_ones`` (R3; :mod:`omenn_kernels.ops.batch_norm_ones`): the
-value ``x·s + b'`` without multiplying by the ones (they are 1 wherever a shift is
-added; R11' fills padded positions with the reference math), and a backward of ``dy·s`` for the input and ``Σ_c dy·b'``
-for the ones.
-
-Fused op ``omenn::layer_norm_ones`` (R3' over the last dim;
-:mod:`omenn_kernels.ops.layer_norm_ones`): ATen's LayerNorm with ``γ``, plus ``β·Ō``, and a
-backward of the centring and the held ``1/σ`` alone. A total parameter gradient, whose
-``1/σ`` follows the parameters through the held value, runs the reference.
+Fused ops ``omenn::batch_norm_ones`` (R3, :mod:`omenn_kernels.ops.batch_norm_ones`) and
+``omenn::layer_norm_ones`` (R3' over the last dim, :mod:`omenn_kernels.ops.layer_norm_ones`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...ops.batch_norm_ones import batch_norm_ones, channel_view
-from ...ops.layer_norm_ones import layer_norm_ones
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, full_ones, plain, reached, with_parameter_gradient
+from ..values import Live, full_ones, plain, reached
 
 aten = torch.ops.aten
 
 
+def channel_view(param: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-channel (dim 1) parameter shaped to broadcast against ``like``."""
+    return param.view(1, -1, *([1] * (like.dim() - 2)))
+
+
 def batch_norm_affine(x: Live, weight, bias, running_mean, running_var, eps: float) -> Live:
     """R3: eval-mode BatchNorm as the per-channel affine map ``x·s + b'·O``."""
-    scale, shift = _affine_of(weight, bias, running_mean, running_var, eps)
+    scale, shift = affine_of(weight, bias, running_mean, running_var, eps)
     ones = reached(x.ones)
     value = x.value * channel_view(scale, x.value) + channel_view(shift, x.value) * ones
     return Live(value, ones)
 
 
-def _affine_of(weight, bias, running_mean, running_var, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def affine_of(weight, bias, running_mean, running_var, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.rsqrt(running_var + eps)
     if weight is not None:
         scale = scale * weight
     shift = -running_mean * scale
     return scale, shift if bias is None else shift + bias
-
-
-def _affine_gradients(x: torch.Tensor):
-    reduced = [0, *range(2, x.dim())]
-    return lambda grad: ((grad * x).sum(reduced), grad.sum(reduced))
-
-
-def _fused_batch_norm_no_training(op, *args, value_gradient: bool = False, **kwargs):
-    x, weight, bias, mean, var, _momentum, eps = arguments(op, args, kwargs)
-    if reached(x.ones) is not x.ones:  # R11' fills padded positions: the reference math
-        return _batch_norm_no_training(op, *args, **kwargs)
-    scale, shift = _affine_of(weight, bias, mean, var, eps)
-    empty = x.value.new_empty(0)
-    value = batch_norm_ones(x.value, x.ones, scale, shift)
-    if value_gradient:  # the gradient of s and b' on a node of its own (Rule.fused_differentiable)
-        value = with_parameter_gradient(value, (scale, shift), _affine_gradients(x.value.detach()))
-    return Live(value, x.ones), empty, empty
 
 
 def _batch_norm_no_training(op, *args, **kwargs):
@@ -98,7 +77,7 @@ def normalized(x: Live, dims: list[int], weight, bias, eps: float, centre: bool 
     return Live(value, ones)
 
 
-def _as_op_result(op, x: Live, out: Live):
+def as_op_result(op, x: Live, out: Live):
     """``aten.native_layer_norm`` also returns the mean and ``1/σ`` (unused by a linearized model)."""
     if op is aten.native_layer_norm.default:
         empty = x.value.new_empty(0)
@@ -108,22 +87,7 @@ def _as_op_result(op, x: Live, out: Live):
 
 def _layer_norm(op, *args, **kwargs):
     x, shape, weight, bias, eps = arguments(op, args, kwargs)[:5]
-    return _as_op_result(op, x, normalized(x, list(range(-len(shape), 0)), weight, bias, eps))
-
-
-def _fused_layer_norm(op, *args, value_gradient: bool = False, **kwargs):
-    """R3' through ``omenn::layer_norm_ones`` over one normalized dim, where ``1/σ`` is held
-    with respect to the parameters too (no held value: first-order or fixed multipliers)."""
-    x, shape, weight, bias, eps = arguments(op, args, kwargs)[:5]
-    if len(shape) != 1 or x.held is not None or value_gradient or isinstance(weight, (Live, Gate)) or \
-            isinstance(bias, (Live, Gate)):
-        return _layer_norm(op, *args, **kwargs)
-    ones_bar = x.ones.mean(-1, keepdim=True)
-    if bias is not None and reached(ones_bar) is not ones_bar:  # R11' fills padded positions: the reference math
-        return _layer_norm(op, *args, **kwargs)
-    ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
-    value, ones_bar, _inverse_scale = layer_norm_ones(x.value, ones, weight, bias, eps)
-    return _as_op_result(op, x, Live(value, ones_bar))
+    return as_op_result(op, x, normalized(x, list(range(-len(shape), 0)), weight, bias, eps))
 
 
 def _rms_norm(op, *args, **kwargs):
@@ -158,11 +122,10 @@ def _native_group_norm(op, *args, **kwargs):
 
 
 register([aten._native_batch_norm_legit_no_training],
-         Rule("R3 BatchNorm (eval)", _batch_norm_no_training, _fused_batch_norm_no_training,
-              fused_differentiable=True, held_multipliers=False))
+         Rule("R3 BatchNorm (eval)", _batch_norm_no_training, held_multipliers=False))
 register([aten.batch_norm], Rule("R3 BatchNorm (eval)", _batch_norm, held_multipliers=False))
 register([aten.layer_norm, aten.native_layer_norm],
-         Rule("R3' LayerNorm", _layer_norm, _fused_layer_norm, fused_differentiable=True))
+         Rule("R3' LayerNorm", _layer_norm))
 register([aten.rms_norm], Rule("R3' RMSNorm", _rms_norm))
 register([aten.group_norm], Rule("R3' GroupNorm", _group_norm))
 register([aten.native_group_norm], Rule("R3' GroupNorm", _native_group_norm))

@@ -12,12 +12,14 @@ sums: the ones summed the same way and renormalized.
 
 from __future__ import annotations
 
-import torch
+from typing import Callable
 
-from ...ops.conv_bias import pair
-from ...ops.max_pool import max_pool_indices
+import torch
+import torch.nn.functional as F
+
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Live, channel_rows, channels_last, full_ones, ones_from_values, renormalized
+from .conv import pair
 
 aten = torch.ops.aten
 
@@ -90,9 +92,24 @@ def _unflattened(t: torch.Tensor, shape: torch.Size, dim: int) -> torch.Tensor:
     return t.view(shape[0], *shape[2:], shape[1]).permute(0, 3, 1, 2)
 
 
-def _max_pool(op, *args, **kwargs):
-    """R13': max pooling; the value and the ones are read at the arg-max
-    (``omenn::max_pool_indices``, :mod:`omenn_kernels.ops.max_pool`).
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+def arg_max_indices(x: torch.Tensor, kernel: list[int], stride: list[int], padding: list[int],
+                    dilation: list[int], ceil_mode: bool) -> torch.Tensor:
+    """The flat arg-max of each window over the spatial dims of ``x`` (N, C, *spatial), as
+    ``F.max_pool{1,2,3}d(..., return_indices=True)`` returns it (an empty stride: the kernel's),
+    in ``x``'s memory layout (channels-last for channels-last images, whose gathers read rows
+    of channels)."""
+    layout = torch.channels_last if channels_last(x) else torch.contiguous_format
+    return _MAX_POOL[x.dim() - 2](x, kernel, stride or None, padding, dilation, ceil_mode,
+                                  return_indices=True)[1].contiguous(memory_format=layout)
+
+
+def max_pooled(op, args: tuple, kwargs: dict, indices_of: Callable[..., torch.Tensor] = arg_max_indices):
+    """R13': max pooling; the value and the ones are read at the arg-max, found by ``indices_of``
+    (:func:`arg_max_indices`' arguments and result; the fused form passes ``omenn::max_pool_indices``,
+    :mod:`omenn_kernels.ops.max_pool`).
 
     The value is gathered rather than taken from the pooling itself: a pooling's backward
     reads its input, so a differentiated backward (``create_graph``) would send zeros into
@@ -106,8 +123,8 @@ def _max_pool(op, *args, **kwargs):
     ones_from_values(x.ones)  # the arg-max decides which ones are read
     spatial = x.value.dim() - 2
     # An empty stride is the kernel's (aten's default), passed on as it is.
-    indices = max_pool_indices(x.value.detach(), pair(kernel, spatial), pair(stride, spatial) if stride else [],
-                               pair(padding, spatial), pair(dilation, spatial), bool(ceil_mode))
+    indices = indices_of(x.value.detach(), pair(kernel, spatial), pair(stride, spatial) if stride else [],
+                         pair(padding, spatial), pair(dilation, spatial), bool(ceil_mode))
     # Positions along one dim: (N, C, L) channels-first, (N, L, C) channels-last (views of both).
     positions, dim = (_positions_last, -1) if not channels_last(x.value) else (channel_rows, 1)
     flat = positions(indices)
@@ -121,6 +138,10 @@ def _max_pool(op, *args, **kwargs):
     if op in (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default):
         return Live(value, ones), indices
     return Live(value, ones)
+
+
+def _max_pool(op, *args, **kwargs):
+    return max_pooled(op, args, kwargs)
 
 
 register([aten.adaptive_avg_pool1d, aten.adaptive_avg_pool2d, aten._adaptive_avg_pool2d,
