@@ -2,7 +2,7 @@
 //
 // Forward (not here): the output got bias[c]·Ō[p], Ō = S/stopgrad(S), S[b,p] the sum of
 // the ones O (B,1,H,W) over output position p's receptive field (padding counts 0).
-// Backward:
+// Backward (conv_bias_ones_backward, the kernel of omenn::conv2d_ones_backward_cpu), in two steps:
 //   bias_share:        r[b,p] = (Σ_c grad[b,c,p]·bias[c] + grad_ones_out[b,0,p]) / S[b,p]
 //                      (0 where S == 0); a bias-free convolution reads no grad, only
 //                      grad_ones_out.
@@ -153,11 +153,12 @@ at::ScalarType ones_dtype(at::ScalarType st) {
   return st == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-}  // namespace
+// The errors name the op that reaches these functions.
+constexpr const char* kWhere = "conv2d_ones_backward_cpu";
 
 at::Tensor bias_share(const at::Tensor& grad, const std::optional<at::Tensor>& bias,
                       const std::optional<at::Tensor>& grad_ones_out, const at::Tensor& S) {
-  constexpr const char* where = "bias_share";
+  constexpr const char* where = kWhere;
   check_cpu_floating(where, "grad", grad);
   TORCH_CHECK(grad.dim() == 4, where, ": grad must have shape (B, Cout, Ho, Wo), got ",
               grad.sizes());
@@ -207,7 +208,7 @@ at::Tensor bias_share(const at::Tensor& grad, const std::optional<at::Tensor>& b
 at::Tensor spread_bias_share(const at::Tensor& r, int64_t H, int64_t W, int64_t kh, int64_t kw,
                              int64_t sh, int64_t sw, int64_t ph, int64_t pw, int64_t dh,
                              int64_t dw) {
-  constexpr const char* where = "spread_bias_share";
+  constexpr const char* where = kWhere;
   check_cpu_floating(where, "r", r);
   TORCH_CHECK(r.dim() == 3 || (r.dim() == 4 && r.size(1) == 1), where,
               ": r must have shape (B, Ho, Wo) or (B, 1, Ho, Wo), got ", r.sizes());
@@ -227,12 +228,14 @@ at::Tensor spread_bias_share(const at::Tensor& r, int64_t H, int64_t W, int64_t 
   return out;
 }
 
+}  // namespace
+
 at::Tensor conv_bias_ones_backward(const at::Tensor& grad, const std::optional<at::Tensor>& bias,
                                    const std::optional<at::Tensor>& grad_ones_out,
                                    const at::Tensor& S, int64_t H, int64_t W, int64_t kh,
                                    int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
                                    int64_t dh, int64_t dw) {
-  constexpr const char* where = "conv_bias_ones_backward";
+  constexpr const char* where = kWhere;
   check_cpu_floating(where, "grad", grad);
   TORCH_CHECK(grad.dim() == 4, where, ": grad must have shape (B, Cout, Ho, Wo), got ",
               grad.sizes());

@@ -1,30 +1,33 @@
-"""Loader of the C++ CPU kernels in ``csrc/`` (the ``omenn_cpu`` extension).
+"""Loader of the C++ CPU kernels in ``csrc/`` (the ``omenn_cpu`` library).
 
-The extension is built just in time with ``torch.utils.cpp_extension.load`` and ninja
-(no CUDA; ``-O3 -fopenmp -fno-trapping-math``). ``-fno-trapping-math`` changes no
-result (it only stops GCC from assuming that floating-point exceptions are observed,
-clang's default) and lets GCC if-convert and vectorize loops with comparisons and
-selects (relu, leaky_relu, hardswish, the ``S == 0`` guard). Not used: ``-march=native``,
-which would tie the build cache to one CPU, and ``-ffast-math``, which changes rounding.
-GELU, tanh-GELU and SiLU call libm (erfc, exp) per element and stay scalar.
+The library is built just in time with ``torch.utils.cpp_extension.load`` and ninja (no
+CUDA; ``-O3 -fopenmp -fno-trapping-math``), cached by torch (``$TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``), and loaded as a plain shared library, not a Python
+module: loading it registers its kernels with the dispatcher (``csrc/bindings.cpp``).
 
-The first build in a fresh cache takes about 25–55 s on 2 cores; later processes reuse
-torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
+``-fno-trapping-math`` changes no result (it only stops GCC from assuming that
+floating-point exceptions are observed, clang's default) and lets GCC if-convert and
+vectorize loops with comparisons and selects (relu, leaky_relu, hardswish, the ``S == 0``
+guard). Where ATen dispatches to AVX2 or AVX-512 kernels
+(``torch.backends.cpu.get_cpu_capability()``), the build targets the same instruction set,
+so that the float32 GELU, tanh-GELU and SiLU loops run on ATen's SIMD vectors, as PyTorch's
+own kernels do; their float64, float16 and bfloat16 loops, and the float32 loops' last
+partial vector, call libm (erfc, exp) per element. Not used: ``-march=native``, which would
+tie the build to one CPU, and ``-ffast-math``, which changes rounding.
 
-``cpu_kernels()`` returns the module, built at most once per process; ``available()``
-says whether it can be built. ``define_cpu_op`` defines an op of the ``omenn`` namespace
-whose CPU kernel is in the extension: loading the extension registers the kernel with the
-dispatcher (``csrc/bindings.cpp``), so a call, from eager code or from a compiled graph,
-reaches C++ without a Python frame per call. The module's Python functions:
+``load_cpu_kernels()`` builds and loads the library at most once per process (RuntimeError
+if it cannot); ``available()`` says whether it can. ``define_cpu_op`` defines an op of the
+``omenn`` namespace whose CPU kernel is in the library, so that the op traces before the
+build and a first call builds it; later calls, from eager code or from a compiled graph,
+reach C++ without a Python frame. The library itself defines the ops that manage the packed
+convolutions' reordered weights, available once it is loaded:
 
-- ``activation_forward(x, kind, slope=0.01)``: ``x·ξ(x)`` (R4)
-- ``activation_backward(grad, x, kind, slope=0.01)``: ``grad·ξ(x)``, ξ recomputed from x
-- ``bias_share(grad, bias, grad_ones_out, S)``: ``(Σ_c grad·bias + grad_ones_out)/S`` (R2)
-- ``spread_bias_share(r, H, W, kh, kw, sh, sw, ph, pw, dh, dw)``
-- ``conv_bias_ones_backward(grad, bias, grad_ones_out, S, H, W, kh, kw, sh, sw, ph, pw, dh, dw)``
-- ``packed_weight_reorders()``: how many weights the packed convolutions reordered so far
-- ``clear_packed_weights()``: drop the reordered weights they keep (returns how many)
-- ``forget_packed_weight(weight)``: drop the reordered copies of one weight (returns how many)
+- ``torch.ops.omenn.packed_weight_reorders()``: how many weights the packed convolutions
+  reordered so far;
+- ``torch.ops.omenn.clear_packed_weights()``: drop the reordered weights they keep (returns
+  how many);
+- ``torch.ops.omenn.forget_packed_weight(weight)``: drop the reordered copies of one weight
+  (returns how many).
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
-from types import ModuleType
 from typing import Callable
 
 import torch
@@ -47,18 +49,15 @@ SOURCES = ("activation.cpp", "attention.cpp", "conv_bias.cpp", "conv_packed.cpp"
            "max_pool.cpp", "bindings.cpp")
 
 
-def _simd_flags() -> list[str]:
-    """AVX-512 (or AVX2) flags where this CPU has them, as PyTorch's own kernels pick, so ATen's SIMD vectors (and Sleef's
-    erfc/exp) serve the float32 GELU and SiLU loops, as in PyTorch's own kernels."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return []
-    present = set(flags)
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c"} <= present:
+def _simd_flags(capability: str | None = None) -> list[str]:
+    """The compiler flags for the SIMD level that ATen dispatches to here (``capability``:
+    ``torch.backends.cpu.get_cpu_capability()``), AVX-512 or AVX2; none for any other."""
+    if capability is None:
+        capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512":
         return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
                 "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"]
-    if {"avx2", "fma", "f16c"} <= present:
+    if capability == "AVX2":
         return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return []
 
@@ -105,12 +104,12 @@ def _preflight() -> str:
 
 
 @functools.cache
-def _build() -> tuple[ModuleType | None, BaseException | None]:
-    """Build and load the extension once per process; a failure is remembered, not retried."""
+def _build() -> BaseException | None:
+    """Build and load the library once per process; a failure is remembered, not retried."""
     try:
         ninja = _preflight()
     except RuntimeError as exc:
-        return None, exc
+        return exc
     # Importing cpp_extension looks for CUDA and logs a warning when there is none; these
     # sources are CPU-only, so that warning is noise here.
     cpp_logger = logging.getLogger("torch.utils.cpp_extension")
@@ -126,36 +125,37 @@ def _build() -> tuple[ModuleType | None, BaseException | None]:
     if shutil.which("ninja") is None:  # torch runs "ninja" from PATH
         os.environ["PATH"] = ninja_dir + os.pathsep + path
     try:
-        module = cpp_extension.load(
+        cpp_extension.load(  # loads the library with torch.ops.load_library
             name=NAME,
             sources=[str(CSRC / s) for s in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=LDFLAGS,
             with_cuda=False,
+            is_python_module=False,
             verbose=False,
         )
     except Exception as exc:  # compiler errors, missing OpenMP, a broken cache, ...
-        error = RuntimeError(f"building the C++ extension {NAME} from {CSRC} failed: {exc}")
+        error = RuntimeError(f"building the C++ library {NAME} from {CSRC} failed: {exc}")
         error.__cause__ = exc
-        return None, error
+        return error
     finally:
         os.environ["PATH"] = path
-    return module, None
+    return None
 
 
-def cpu_kernels() -> ModuleType:
-    """The ``omenn_cpu`` extension module, built on first use (RuntimeError if it cannot be)."""
-    module, error = _build()
-    if module is None:
+def load_cpu_kernels() -> None:
+    """Build (on first use) and load the ``omenn_cpu`` library, which registers its kernels
+    with the dispatcher; RuntimeError if it cannot be built or loaded."""
+    error = _build()
+    if error is not None:
         raise RuntimeError(str(error)) from error
-    return module
 
 
 @functools.cache
 def available() -> bool:
     """Whether the C++ CPU kernels build and load; the reason for a failure is warned once."""
     try:
-        cpu_kernels()
+        load_cpu_kernels()
     except RuntimeError as exc:
         warnings.warn(f"omenn_kernels: the C++ CPU kernels are unavailable: {exc}",
                       RuntimeWarning, stacklevel=2)
@@ -168,9 +168,10 @@ _LIBRARY = torch.library.Library("omenn", "FRAGMENT")
 
 def define_cpu_op(schema: str, fake: Callable) -> torch._ops.OpOverload:
     """The op ``omenn::<schema>``, whose CPU kernel ``csrc/bindings.cpp`` registers, with ``fake``
-    as its shape function.
+    as its shape function. The op takes at least one tensor (an op without one reaches no CPU
+    kernel) and runs on CPU tensors only.
 
-    Until the extension is loaded, a call reaches a Python kernel that builds and loads it
+    Until the library is loaded, a call reaches a Python kernel that builds and loads it
     (which registers the C++ kernel) and calls the op again; later calls go to C++ directly.
     The op has no autograd: it is called below the autograd of the op it serves.
     """
@@ -182,9 +183,9 @@ def define_cpu_op(schema: str, fake: Callable) -> torch._ops.OpOverload:
         devices = sorted({a.device.type for a in args if isinstance(a, torch.Tensor)})
         if devices != ["cpu"]:
             raise RuntimeError(f"omenn::{name} runs on CPU tensors only, got tensors on {devices}")
-        cpu_kernels()
+        load_cpu_kernels()
         if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU"):
-            raise RuntimeError(f"the C++ extension {NAME} loaded without registering omenn::{name}")
+            raise RuntimeError(f"the C++ library {NAME} loaded without registering omenn::{name}")
         return op(*args)
 
     _LIBRARY.impl(name, load_then_call, "CompositeExplicitAutograd")

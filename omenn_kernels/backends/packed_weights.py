@@ -27,7 +27,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from ..native import available as native_available, cpu_kernels
+from ..native import available as native_available, load_cpu_kernels
 from ..ops.conv_bias import conv2d_input_grad_packed_cpu, conv2d_packed_cpu
 
 aten = torch.ops.aten
@@ -47,12 +47,14 @@ def packing_available() -> bool:
 def forget_reordered_kernels() -> None:
     """Drop every reordered kernel kept (a graph that will not run keeps none alive; the
     others are reordered again at their next call)."""
-    cpu_kernels().clear_packed_weights()
+    load_cpu_kernels()  # which defines the op
+    torch.ops.omenn.clear_packed_weights()
 
 
 def forget_reordered_kernel(kernel: torch.Tensor) -> None:
     """Drop the reordered copies of ``kernel``: reordered again at their next call."""
-    cpu_kernels().forget_packed_weight(kernel)
+    load_cpu_kernels()
+    torch.ops.omenn.forget_packed_weight(kernel)
 
 
 def constant_kernels(module: GraphModule) -> list[torch.Tensor]:

@@ -53,7 +53,7 @@ def _images(dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def _called(explainer: Explainer, x: torch.Tensor) -> list[str]:
     program, _ = explainer.program(x)
-    (explanation,) = program.compiled.values()
+    (explanation,) = compiled.explanations(program).values()
     return [str(node.target) for node in explanation.graph.graph.nodes if node.op == "call_function"]
 
 
@@ -77,7 +77,8 @@ def test_every_convolution_and_input_gradient_runs_packed_and_follows_the_parame
     # The 1×1 convolution cuts patches: its input gradient is a matrix product.
     assert called.count("omenn.conv2d_input_grad_packed_cpu.default") == 4
     assert not {"aten.convolution.default", "aten.convolution_backward.default"} & set(called)
-    reorders = native.cpu_kernels().packed_weight_reorders
+    native.load_cpu_kernels()  # which defines the op
+    reorders = torch.ops.omenn.packed_weight_reorders
     before = reorders()
     explainer(x, 1)
     assert reorders() == before  # a replay reorders no weight
@@ -130,4 +131,5 @@ def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault
     assert not PACKED & set(_called(explainer, x))
     assert "aten.convolution.default" in _called(explainer, x)
     assert any("with oneDNN's convolutions did not pass its checks" in r.getMessage() for r in caplog.records)
-    assert native.cpu_kernels().clear_packed_weights() == 0  # the failed graph's kernels are not kept
+    native.load_cpu_kernels()
+    assert torch.ops.omenn.clear_packed_weights() == 0  # the failed graph's kernels are not kept

@@ -109,7 +109,8 @@ def test_weights_of_one_shape_keep_a_reordered_copy_each():
     each is reordered once, not at every call."""
     x = torch.randn(1, 8, 9, 9).contiguous(memory_format=torch.channels_last)
     weights = [torch.randn(8, 8, 3, 3) for _ in range(2)]
-    reorders = native.cpu_kernels().packed_weight_reorders
+    native.load_cpu_kernels()  # which defines the op
+    reorders = torch.ops.omenn.packed_weight_reorders
     before = reorders()
     for _ in range(3):
         for weight in weights:
