@@ -185,7 +185,7 @@ def _method(name: str, model: torch.nn.Module, x: torch.Tensor, shared: dict) ->
             explainer(x)
         if name == "omenn_compiled":
             program, _ = explainer.program(x)
-            kept = list(program.compiled.values())
+            kept = list(compiled_backend.explanations(program).values())
             info["compiled_graph_ran"] = any(isinstance(k, compiled_backend.CompiledExplanation) for k in kept)
             info["compile_s"] = next((k.seconds for k in kept if hasattr(k, "seconds")), None)
             info["aten_nodes"] = next((sum(n.op == "call_function" for n in k.graph.graph.nodes)

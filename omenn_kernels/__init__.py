@@ -5,7 +5,8 @@ a channel of ones; one forward pass with detached multipliers and one backward p
 give, per pixel, contributions that sum to the explained logit.
 """
 
-from .api import Explainer, Explanation, ReadoutFunction, explain, explainer_for, quantus_explain
+from .api import Explainer, Explanation, explain, explainer_for, quantus_explain
+from .readout import ReadoutFunction
 from .tokens import TokenExplainer
 from .errors import (CaptureError, InputError, InputTypeError, OmennError, OutputError, TargetError,
                      UnsupportedOpError)

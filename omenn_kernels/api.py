@@ -3,30 +3,24 @@
 from __future__ import annotations
 
 import logging
-import numbers
-import reprlib
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
 
 import numpy as np
 import torch
 
-from . import backends
+from .backends import Backend
 from .backends.executor import PARAMETER_GRADIENTS, ParameterGradient
 from .capture import ModelStructure, OutputSelector, capture, checked_selector, reference_parameter
 from .errors import InputError, InputTypeError, TargetError
 from .linearize import LinearizedProgram, linearize
-from .readout import ReadoutFunction
+from .readout import Readout, Readouts, Target, as_tensor, checked_readout, shown
 
 log = logging.getLogger("omenn_kernels.api")
 
 # Linearized programs an Explainer keeps (one per input signature), the least recently used dropped first.
 MAX_PROGRAMS = 8
-
-Target = Union[int, Sequence[int], torch.Tensor, None]
-Readouts = Union[torch.Tensor, ReadoutFunction, Callable[[torch.Tensor], torch.Tensor]]
 
 
 @dataclass
@@ -123,76 +117,6 @@ class _Finiteness:
             raise InputError(f"the input contains {bad} NaN or Inf values; OMENN explains finite inputs only")
 
 
-def _shown(values: torch.Tensor) -> str:
-    """The values of a small target, or its shape and dtype if it is large."""
-    if values.numel() <= 8:
-        return str(values.tolist())
-    return f"a tensor of shape {tuple(values.shape)} and dtype {values.dtype}"
-
-
-def _as_tensor(target: Sequence | np.ndarray) -> torch.Tensor:
-    """A list, tuple or numpy array of targets as a tensor, refusing what is not numbers."""
-    array = np.asarray(target)
-    if array.dtype.kind not in "biufc":  # object (ints beyond 64 bits, ragged lists), strings, dates
-        raise TargetError(f"the target {reprlib.repr(array.tolist())} is not class indices or read-out weights "
-                          f"(as a numpy array its dtype is {array.dtype})")
-    return torch.as_tensor(array)
-
-
-def _readout(target: Target, batch: int, classes: int, device: torch.device) -> torch.Tensor | None:
-    """Normalize ``target`` to (B,) class indices or (B, K) read-out weights (None: predicted class)."""
-    if target is None:
-        return None
-    if isinstance(target, (bool, np.bool_)):
-        raise TargetError("the target must be a class index, indices or read-out weights, not a bool")
-    if isinstance(target, (list, tuple, np.ndarray)):
-        target = _as_tensor(target)
-    if isinstance(target, numbers.Integral):
-        if not 0 <= int(target) < classes:  # checked before torch.tensor, which overflows beyond 64 bits
-            raise TargetError(f"target class out of range: got {int(target)}, the model has {classes} "
-                              f"classes (valid: 0..{classes - 1})")
-        return torch.full((batch,), int(target), dtype=torch.long, device=device)
-    if not isinstance(target, torch.Tensor):
-        shown = reprlib.repr(target.item() if isinstance(target, np.generic) else target)
-        raise TargetError(f"unsupported target type {type(target).__name__} ({shown}); use an int, "
-                          "a (B,) integer tensor, or (K,) / (B, K) read-out weights")
-    if target.dtype == torch.bool:
-        raise TargetError("the target must be class indices or read-out weights, not a bool tensor")
-    if target.is_complex():
-        raise TargetError(f"the target {_shown(target)} is complex ({target.dtype}); class indices must be "
-                          "integers and read-out weights real floating-point numbers")
-    if not target.is_floating_point():  # checked where the indices are: no device sync for host targets
-        if target.dim() > 1:
-            raise TargetError(f"integer targets must be a class index or (B,) indices; got shape "
-                              f"{tuple(target.shape)}")
-        if target.dtype == torch.uint64 and bool((target.double() >= classes).any()):
-            # .long() would wrap these around to negative numbers
-            raise TargetError(f"target class out of range: got {_shown(target)}, the model has "
-                              f"{classes} classes (valid: 0..{classes - 1})")
-        indices = target.long().reshape(-1)
-        if target.dim() == 0:
-            indices = indices.expand(batch)
-        if indices.numel() != batch:
-            raise TargetError(f"got {indices.numel()} target indices for a batch of {batch} images")
-        if bool(((indices < 0) | (indices >= classes)).any()):
-            raise TargetError(f"target class out of range: got {indices.tolist()}, the model has "
-                              f"{classes} classes (valid: 0..{classes - 1})")
-        return indices.to(device)
-    target = target.to(device)
-    if target.dim() == 1 and target.numel() == classes:
-        target = target.expand(batch, classes)
-    if target.dim() != 2 or tuple(target.shape) != (batch, classes):
-        hint = ""
-        if target.dim() == 1 and target.numel() == batch:
-            hint = (f" ({_shown(target)} looks like one class per image: class indices must be an "
-                    "integer tensor)")
-        raise TargetError(f"read-out weights must have shape ({classes},) or ({batch}, {classes}); "
-                          f"got {tuple(target.shape)}{hint}")
-    if not bool(torch.isfinite(target).all()):
-        raise TargetError("read-out weights contain NaN or Inf")
-    return target
-
-
 def _parameter_gradient(create_graph: bool, parameter_gradient: str) -> ParameterGradient | None:
     """What the backends need to know: None for detached explanations, else the gradient's kind."""
     if not isinstance(create_graph, bool):
@@ -201,29 +125,6 @@ def _parameter_gradient(create_graph: bool, parameter_gradient: str) -> Paramete
         raise ValueError(f"unknown parameter_gradient {parameter_gradient!r}; expected one of "
                          f"{', '.join(repr(p) for p in PARAMETER_GRADIENTS)}")
     return parameter_gradient if create_graph else None
-
-
-def _kept(explanation: Explanation, create_graph: bool) -> Explanation:
-    """``explanation`` as returned: detached unless its graph was asked for."""
-    if create_graph:
-        return explanation
-    return Explanation(explanation.contribution.detach(), explanation.weight.detach(),
-                       explanation.bias.detach(), explanation.logit.detach(), explanation.target,
-                       explanation.logits.detach())
-
-
-def _multi_readout(weights: object, batch: int, classes: int, device: torch.device) -> torch.Tensor:
-    """Check T read-outs per image: (B, T, K) finite floating-point weights."""
-    if not isinstance(weights, torch.Tensor):
-        raise TargetError(f"read-outs must be a (B, T, K) tensor, got {type(weights).__name__}")
-    if not weights.is_floating_point():
-        raise TargetError(f"read-outs must be floating-point weights, got dtype {weights.dtype}")
-    if weights.dim() != 3 or weights.shape[0] != batch or weights.shape[2] != classes or weights.shape[1] == 0:
-        raise TargetError(f"read-outs must have shape ({batch}, T, {classes}) with T ≥ 1; "
-                          f"got {tuple(weights.shape)}")
-    if not bool(torch.isfinite(weights).all()):
-        raise TargetError("read-out weights contain NaN or Inf")
-    return weights.to(device)
 
 
 class Explainer:
@@ -262,7 +163,7 @@ class Explainer:
             read-outs given as functions run on ``"fused"``) or ``"auto"``, the default: the
             backend the committed benchmarks show fastest for the input's device type,
             ``"fused"`` on the CPU and ``"reference"`` on CUDA (see
-            :func:`omenn_kernels.backends.resolve`).
+            :func:`omenn_kernels.backends.resolved_name`).
         output: which tensor of the model's output holds the logits: None (default) for
             the output itself, the first element of a tuple or list, or the ``"logits"``
             entry of a dict or ``ModelOutput``; an index or a key (``output=1``,
@@ -291,7 +192,7 @@ class Explainer:
         if feature_dim is not None and (isinstance(feature_dim, bool) or not isinstance(feature_dim, int)):
             raise TypeError(f"feature_dim must be an int or None, got {type(feature_dim).__name__}")
         self.feature_dim = feature_dim
-        self._run = backends.resolve(backend)
+        self._backend = Backend(backend)
         # Per (input shape, dtype, device), the most recently used last; a program that serves
         # a range of batch sizes has the shape (None, C, H, W) and the range after the device.
         self._programs: dict[tuple, tuple[LinearizedProgram, int]] = {}
@@ -374,10 +275,9 @@ class Explainer:
                 The fused backend differentiates its ops twice, except CUDA's attention,
                 which runs its reference rule then, with a warning.
         """
-        return self._explained(x, lambda batch, classes, device: _readout(target, batch, classes, device),
-                               create_graph, parameter_gradient)
+        return self._explained(x, target, False, create_graph, parameter_gradient)
 
-    def explain_targets(self, x: torch.Tensor, readouts: Readouts, *, create_graph: bool = False,
+    def explain_targets(self, x: torch.Tensor, readouts: Readouts | Readout, *, create_graph: bool = False,
                         parameter_gradient: ParameterGradient = "total") -> Explanation:
         """Explain T read-outs per image with one forward pass (and one backward per read-out).
 
@@ -389,24 +289,20 @@ class Explainer:
                 logits (B, K) of the shared forward to such weights, for targets that
                 depend on the prediction (predicted class, top-k): a
                 :class:`ReadoutFunction` (which the compiled backend compiles with the
-                explanation) or any callable (run on the fused backend).
+                explanation) or any callable (run on the fused backend); or a
+                :class:`~omenn_kernels.readout.Readout` built before.
             create_graph, parameter_gradient: as in :meth:`__call__`.
 
         Returns:
             An :class:`Explanation` whose fields have a dimension T after the batch:
             ``contribution`` (B, T, H, W) sums to ``logit`` (B, T); ``logits`` (B, K).
         """
-        def checked(batch: int, classes: int, device: torch.device):
-            if isinstance(readouts, ReadoutFunction):
-                return readouts
-            if callable(readouts):
-                return lambda logits: _multi_readout(readouts(logits), batch, classes, device)
-            return _multi_readout(readouts, batch, classes, device)
-        return self._explained(x, checked, create_graph, parameter_gradient)
+        return self._explained(x, readouts, True, create_graph, parameter_gradient)
 
-    def _explained(self, x: torch.Tensor, checked_target: Callable, create_graph: bool,
+    def _explained(self, x: torch.Tensor, given: Target | Readouts | Readout, several: bool, create_graph: bool,
                    parameter_gradient: str) -> Explanation:
-        """The explanation of ``checked_target(batch, classes, device)``, a backend target.
+        """The explanation of the ``given`` target, one read-out per image or ``several`` (see
+        :func:`~omenn_kernels.readout.checked_readout`).
 
         One or T read-outs per image: ``C_w`` is (B, C, H, W) or (B, T, C, H, W), and ``C``
         sums it with ``X`` over the feature axis either way.
@@ -422,21 +318,23 @@ class Explainer:
             # A compiled graph that only replays reads the verdict once it is launched, so that
             # the device runs it while the host waits; nothing is captured, run or compiled
             # for a bad input.
-            cached = self._cached_program(x) if self.backend == "compiled" else None
+            cached = self._cached_program(x)
             if cached is None:
                 finite.require()
             program, classes = cached or self.program(x)
-            target = checked_target(x.shape[0], classes, x.device)
-            if cached is None or not backends.compiled.replays(program, self.model, x, target,
-                                                               parameter_gradient):
+            readout = checked_readout(given, x.shape[0], classes, x.device, several)
+            if self._backend.runs_on(program, self.model, x, readout, parameter_gradient) != "compiled":
                 finite.require()
-            weight, bias, logit, explained, logits = self._run(program, self.model, x, target,
-                                                               parameter_gradient)
+            weight, bias, logit, target, logits = self._backend.explain(program, self.model, x, readout,
+                                                                        parameter_gradient)
             finite.require()
+            if not create_graph:  # every field detached, also from an input that requires a gradient
+                x, weight, bias, logit, logits = x.detach(), weight.detach(), bias.detach(), logit.detach(), \
+                    logits.detach()
             readouts = weight.dim() - x.dim()  # 1 with T read-outs
             weighted = weight * x.reshape(x.shape[0], *([1] * readouts), *x.shape[1:])
             contribution = (weighted if feature is None else weighted.sum(feature + readouts)) + bias
-        return _kept(Explanation(contribution, weight, bias, logit, explained, logits), create_graph)
+        return Explanation(contribution, weight, bias, logit, target, logits)
 
     def attribute(self, inputs: torch.Tensor, target: Target = None) -> torch.Tensor:
         """Captum-style attributions of the input's shape: ``C_w ⊙ X + C_b / C`` per channel.
@@ -524,15 +422,15 @@ def explainer_for(model: torch.nn.Module, backend: str = "auto", output: OutputS
 
 def _class_labels(targets: object) -> torch.Tensor:
     """Quantus's labels as class indices: integers, or floats with integral values (0-d or (B,))."""
-    labels = targets if isinstance(targets, torch.Tensor) else _as_tensor(targets)
+    labels = targets if isinstance(targets, torch.Tensor) else as_tensor(targets)
     if labels.dtype == torch.bool or labels.is_complex():
-        raise TargetError(f"the labels {_shown(labels)} have dtype {labels.dtype}; quantus_explain needs "
+        raise TargetError(f"the labels {shown(labels)} have dtype {labels.dtype}; quantus_explain needs "
                           "integer class indices")
     if labels.is_floating_point():
         wide = labels.double()
         # .long() would truncate 2.7 to class 2, and turn NaN or values beyond 64 bits into arbitrary ones
         if not bool((torch.isfinite(wide) & (wide == wide.round()) & (wide.abs() < 2.0 ** 63)).all()):
-            raise TargetError(f"the labels {_shown(labels)} are not all whole numbers; quantus_explain needs "
+            raise TargetError(f"the labels {shown(labels)} are not all whole numbers; quantus_explain needs "
                               "integer class indices")
         labels = wide.long()
     return labels.reshape(-1) if labels.dim() > 1 else labels

@@ -18,13 +18,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .backends.compiled import relative_distance
 from .capture import eval_semantics
+from .readout import Readout
 
-
-def relative_distance(got: torch.Tensor, want: torch.Tensor) -> float:
-    """``‖got − want‖ / ‖want‖`` (Frobenius), computed in float64."""
-    got, want = got.detach().double(), want.detach().double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-300))
+__all__ = ["FAMILIES", "FULL_SIZE", "Family", "change_in_every_way", "python_entered", "randomize_",
+           "relative_completeness_error", "relative_distance"]
 
 
 def randomize_(model: nn.Module, seed: int = 0, scale: float = 0.2) -> nn.Module:
@@ -131,11 +130,7 @@ def relative_completeness_error(model: nn.Module, x: torch.Tensor, explanation) 
     """``max_b |Σ C_b − f(x)_b[t]| / |f(x)_b[t]|`` against the model's own eval-mode forward."""
     with eval_semantics(model), torch.no_grad():
         logits = model(x)
-    target = explanation.target
-    if target.is_floating_point():
-        expected = (logits * target).sum(-1)
-    else:
-        expected = logits.gather(1, target.unsqueeze(1)).squeeze(1)
+    expected = Readout.value(logits, explanation.target)
     total = explanation.contribution.flatten(1).sum(1)
     return float(((total - expected).abs() / expected.abs()).max())
 

@@ -58,7 +58,7 @@ def test_one_capture_serves_every_batch_size(name, backend, counted, monkeypatch
             _check(explanation, want)
     if backend == "compiled":  # one traced graph per batch size, from the one program
         (program, _), = explainer._programs.values()
-        assert sorted(key[1][0][0] for key in program.compiled) == [2, 3, 5]
+        assert sorted(key[1][0][0] for key in compiled.explanations(program)) == [2, 3, 5]
 
 
 def test_a_batch_of_one_has_its_own_capture(counted):

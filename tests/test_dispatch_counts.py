@@ -20,7 +20,7 @@ import timm
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from omenn_kernels import Explainer, models
+from omenn_kernels import Explainer, backends, models
 from omenn_kernels.testing import randomize_
 
 SYNC = "aten::_local_scalar_dense"
@@ -120,7 +120,7 @@ def test_ops_and_syncs_per_compiled_explanation(name):
     assert syncs <= MAX_SYNCS, syncs
     # What a C++ wrapper calls without the dispatcher is seen by neither count: the graph itself has no host read.
     program, _ = explainer.program(x)
-    (compiled,) = program.compiled.values()
+    (compiled,) = backends.compiled.explanations(program).values()
     assert not any(node.target is torch.ops.aten._local_scalar_dense.default for node in compiled.graph.graph.nodes)
     assert ops <= sum(gradient.ops.values()), "more ops than one input × gradient"
     print(f"{name} compiled: {ops} aten ops, {ops / sum(gradient.ops.values()):.2f}× input × gradient, "

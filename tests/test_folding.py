@@ -17,6 +17,7 @@ from omenn_kernels import Explainer, folding
 from omenn_kernels.backends import compiled, fused, reference
 from omenn_kernels.capture import capture
 from omenn_kernels.linearize import linearize
+from omenn_kernels.readout import Readout
 from omenn_kernels.testing import randomize_, relative_distance
 
 TOLERANCE = 1e-10
@@ -81,8 +82,8 @@ def test_folded_explanation_equals_unfolded(name: str, backend) -> None:
     assert remaining == (1 if name == "pairs" else 0)  # only the BN after the max pooling stays
     assert _ops(unfolded).count(aten._native_batch_norm_legit_no_training.default) == (4 if name == "pairs" else 20)
     target = torch.tensor([0, 2, 1])
-    got = backend.explain_batch(folded, model, x, target)
-    want = backend.explain_batch(unfolded, model, x, target)
+    got = backend.explain_batch(folded, model, x, Readout(target))
+    want = backend.explain_batch(unfolded, model, x, Readout(target))
     for part, name_ in ((0, "weight"), (1, "bias"), (2, "logit")):
         assert relative_distance(got[part], want[part]) < TOLERANCE, name_
     assert relative_distance(got[2], model(x).gather(1, target[:, None])[:, 0]) < TOLERANCE
@@ -102,14 +103,14 @@ def test_compiled_input_gradients_take_one_copy_of_each_kernel(name: str, parame
     model = _model(MODELS[name])
     x = torch.randn(3, 3, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     folded, unfolded = _programs(model, x)
-    target = torch.tensor([2, 0, 1])
+    target = Readout(torch.tensor([2, 0, 1]))
     want = reference.explain_batch(unfolded, model, x, target)
     for _ in range(2):  # the eager first call, then the traced graph
         got = compiled.explain_batch(folded, model, x, target, parameter_gradient)
     assert compiled.replays(folded, model, x, target, parameter_gradient)
     for part, name_ in ((0, "weight"), (1, "bias"), (2, "logit")):
         assert relative_distance(got[part].detach(), want[part]) < TOLERANCE, name_
-    (explanation,) = folded.compiled.values()
+    (explanation,) = compiled.explanations(folded).values()
     nodes = list(explanation.graph.graph.nodes)
     convolutions = [n for n in nodes if n.target is aten.convolution.default]
     backward = [n for n in nodes if str(n.target) in folding._INPUT_GRADIENTS]
@@ -159,7 +160,8 @@ def test_parameter_gradient_flows_to_convolution_and_norm(parameter_gradient: st
                   model.line[0].bias, model.line[1].weight, model.line[1].bias]
     gradients = []
     for program in (folded, unfolded):
-        weight, bias, logit, *_ = fused.explain_batch(program, model, x, torch.tensor([1, 4]), parameter_gradient)
+        weight, bias, logit, *_ = fused.explain_batch(program, model, x, Readout(torch.tensor([1, 4])),
+                                                  parameter_gradient)
         loss = (weight * x).pow(2).sum() + bias.sum() + logit.sum()
         gradients.append(torch.autograd.grad(loss, parameters))
     for got, want in zip(*gradients):

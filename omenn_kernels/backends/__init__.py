@@ -1,50 +1,55 @@
-"""Backends that run a linearized program and return ``(C_w, C_b, ŷ)``.
+"""Backends that run a linearized program and return its :class:`~.executor.BackendExplanation`.
 
 ``reference``: plain PyTorch autograd with a full-shape ones channel, the oracle.
 ``fused``: one ones value per pixel, fused kernels for the hot rules.
 ``compiled``: the fused backend's explanation traced once per signature into one graph and compiled.
 ``auto`` (the default): ``fused`` on the CPU, ``reference`` elsewhere: the fastest as measured there.
+
+Each backend module keeps what it caches per program itself, weakly keyed by the program.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from ..errors import OptionError
+from ..linearize.program import LinearizedProgram
+from ..readout import Readout
 from . import compiled, fused, reference
+from .executor import BackendExplanation, ParameterGradient
 
 
 def resolved_name(name: str, device: torch.device) -> str:
-    """The backend that ``name`` runs on ``device``: ``auto`` resolved (see :func:`_fastest`)."""
+    """The backend that ``name`` runs on ``device``: ``auto`` is the one the committed benchmarks
+    show fastest for first-order explanations there (``bench/README.md``): ``fused`` on the CPU,
+    where ``compiled`` pays its compilation back only after many batches of one shape;
+    ``reference`` on CUDA, where cuDNN and cuBLAS beat the Triton kernels launched op by op.
+    """
     if name != "auto":
         return name
     return "fused" if device.type == "cpu" else "reference"
 
 
-def _fastest(program, model, x, target, parameter_gradient=None) -> tuple:
-    """The backend the committed benchmarks show fastest for first-order explanations on
-    the input's device type: ``fused`` on the CPU (``bench/results/end_to_end_cpu.json``,
-    ``compiled_cpu.json``, ``compiled_cpu_parts.json``: ``compiled`` is faster once compiled,
-    but its compilation takes from half a minute to minutes per signature, paid back only
-    after a hundred or more batches of one shape),
-    ``reference`` on CUDA
-    (``end_to_end_gpu.json``: cuDNN and cuBLAS beat the Triton kernels launched op by op;
-    ``compiled_gpu.json``: ``compiled`` takes 0.18–0.22× the reference's time once
-    compiled, but its compilation of about a minute per signature pays off only after
-    900–1,100 batches of the same shape).
-    """
-    backend = {"fused": fused, "reference": reference}[resolved_name("auto", x.device)]
-    return backend.explain_batch(program, model, x, target, parameter_gradient)
+class Backend:
+    """A backend as its callers use it, whichever it is (``auto`` resolved per input device)."""
 
+    def __init__(self, name: str) -> None:
+        if name not in ("reference", "fused", "compiled", "auto"):
+            raise OptionError(f"unknown backend {name!r}; available: 'reference', 'fused', 'compiled', 'auto'")
+        self.name = name
 
-BACKENDS: dict[str, Callable] = {"reference": reference.explain_batch, "fused": fused.explain_batch,
-                                 "compiled": compiled.explain_batch, "auto": _fastest}
+    def explain(self, program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+                parameter_gradient: ParameterGradient | None = None) -> BackendExplanation:
+        """The explanation of ``readout`` for the batch ``x``."""
+        module = {"reference": reference, "fused": fused, "compiled": compiled}[resolved_name(self.name, x.device)]
+        return module.explain_batch(program, model, x, readout, parameter_gradient)
 
-
-def resolve(name: str) -> Callable:
-    """The ``explain_batch`` function of backend ``name`` (``"auto"``: the fastest for the input's device)."""
-    if name not in BACKENDS:
-        raise OptionError(f"unknown backend {name!r}; available: " + ", ".join(repr(b) for b in BACKENDS))
-    return BACKENDS[name]
+    def runs_on(self, program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+                parameter_gradient: ParameterGradient | None = None) -> str:
+        """The backend :meth:`explain` of these arguments runs: ``auto`` resolved; ``compiled`` only
+        where it replays a graph compiled earlier (it traces, compiles and reads back nothing), else
+        ``fused`` (a read-out it does not trace, a signature not compiled yet or that failed to)."""
+        name = resolved_name(self.name, x.device)
+        if name == "compiled" and not compiled.replays(program, model, x, readout, parameter_gradient):
+            return "fused"
+        return name

@@ -45,13 +45,9 @@ The signature then also holds the parameter gradient's kind and which parameters
 require a gradient. Its check at compile time also compares the parameter gradient of
 a random projection of the explanation with the fused backend's.
 
-Read-outs given as a :class:`~omenn_kernels.readout.ReadoutFunction` are traced into the
-graph, with their tensor arguments as graph inputs and their other arguments (numbers,
-strings, tuples) baked in, part of the signature. Run on the fused backend instead:
-read-outs given as any other function of the logits (what such a function reads
-besides the logits would be baked into the graph) or with an unhashable argument, and
-any signature whose trace or compilation failed (one warning naming the cause; the
-explanation is the fused backend's).
+Read-outs given as a :class:`~omenn_kernels.readout.ReadoutFunction` are traced into the graph
+(see there). Other functions of the logits, and any signature whose trace or compilation failed
+(one warning naming the cause), run on the fused backend.
 """
 
 from __future__ import annotations
@@ -60,6 +56,7 @@ import logging
 import operator
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -72,10 +69,9 @@ from ..folding import scale_gradients_not_kernels
 from ..linearize.program import LinearizedProgram
 from ..linearize.values import traced_forwards
 from ..ops import traced_as_aten
-from ..readout import ReadoutFunction
-from ..testing import relative_distance
+from ..readout import Readout
 from . import fused
-from .executor import ParameterGradient
+from .executor import BackendExplanation, ParameterGradient
 from .layout import in_layout_of, runs_channels_last
 from .parameter_only import ParameterDerived, hoist_parameter_only
 from .packed_weights import (constant_kernels, forget_reordered_kernel, forget_reordered_kernels,
@@ -163,7 +159,7 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
 
 @dataclass(frozen=True)
 class CompiledExplanation:
-    """One signature's explanation, kept in ``LinearizedProgram.compiled``: the traced aten graph
+    """One signature's explanation, kept in :func:`explanations`: the traced aten graph
     (``print(c.graph.code)`` shows every op) and the compiled callable that runs it."""
 
     graph: torch.fx.GraphModule
@@ -187,60 +183,34 @@ COMPILER: Compiler = inductor
 MAX_COMPILED = 8
 
 
-def _laid_out(x: torch.Tensor, target, channels_last: bool) -> tuple[torch.Tensor, object]:
-    """The images and the target in the layouts their graph is compiled for (a compiled graph
-    assumes its inputs' strides): the images as
-    :func:`~omenn_kernels.backends.layout.runs_channels_last` decided, the
-    target's tensors contiguous."""
-    x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    if isinstance(target, ReadoutFunction):
-        return x, ReadoutFunction(target.function, tuple(a.contiguous() if isinstance(a, torch.Tensor) else a
-                                                         for a in target.arguments))
-    return x, target.contiguous() if isinstance(target, torch.Tensor) else target
-
-
-def _signature(x: torch.Tensor, channels_last: bool, target, parameter_gradient: ParameterGradient | None,
+def _signature(x: torch.Tensor, channels_last: bool, readout: Readout, parameter_gradient: ParameterGradient | None,
                trained: dict[str, torch.Tensor]) -> tuple:
     """What a compiled explanation is specialized on: the input's shape (a program may serve
     several batch sizes) and layout (see :func:`~omenn_kernels.backends.layout.runs_channels_last`),
-    the target's kind and shape (a
+    the read-out's kind and shape (a
     read-out function: the function object and its arguments' shapes), autocast (the trace
     records its casts), and for a differentiable explanation the parameter gradient's kind and
     the parameters it takes."""
     device = x.device.type
     autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
     differentiation = (parameter_gradient, tuple(trained)) if parameter_gradient is not None else None
-    images = (tuple(x.shape), channels_last)
-    kind = _target_kind(target)
-    if kind == "predicted":
-        return (kind, images, autocast, differentiation)
-    if kind == "function":
-        return (kind, images, target.function,
-                tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else _constant(a)
-                      for a in target.arguments), autocast, differentiation)
-    return (kind, images, tuple(target.shape), target.dtype, target.device, autocast, differentiation)
+    function = readout.target.function if readout.kind == "function" else None
+    arguments = readout.target.arguments if function else readout.tensors
+    # A function's arguments that are not tensors are baked into its graph.
+    described = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+                      for a in arguments)
+    return (readout.kind, (tuple(x.shape), channels_last), function, described, autocast, differentiation)
 
 
-def _constant(value: object) -> tuple:
-    """A read-out function's argument that is not a tensor, as its signature holds it: the graph
-    bakes its value in."""
-    return ("constant", type(value), value)
-
-
-def _hashable(value: object) -> bool:
-    try:
-        hash(value)
+def _compilable(readout: Readout) -> bool:
+    """Whether explanations of ``readout`` are compiled (else they run on the fused backend): not a
+    plain function, nor a read-out function with an argument that is neither a tensor nor
+    hashable (a list: the signature, which bakes its value in, could not hold it)."""
+    try:  # tensors hash by identity
+        hash(readout.target.arguments if readout.kind == "function" else None)
     except TypeError:
         return False
-    return True
-
-
-def _target_kind(target) -> str:
-    if target is None:
-        return "predicted"
-    if isinstance(target, ReadoutFunction):
-        return "function"
-    return "indices" if not target.is_floating_point() else "weights"
+    return readout.kind != "callable"
 
 
 def _trained(program: LinearizedProgram, model: torch.nn.Module,
@@ -259,87 +229,79 @@ def _trained(program: LinearizedProgram, model: torch.nn.Module,
     return trained
 
 
-def _graph_inputs(x: torch.Tensor, target, trained: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The compiled graph's inputs: the images, the target's tensors, then the trained parameters."""
-    if target is None:
-        head = [x]
-    elif isinstance(target, ReadoutFunction):
-        head = [x, *(a for a in target.arguments if isinstance(a, torch.Tensor))]
-    else:
-        head = [x, target]
-    return head + list(trained.values())
+def explanations(program: LinearizedProgram) -> dict[tuple, CompiledExplanation | object]:
+    """``program``'s compiled explanations (or a marker: runs on fused) per signature, least recently used first."""
+    return _EXPLANATIONS.setdefault(program, {})
 
 
-def _compilable(target) -> bool:
-    """Whether explanations of ``target`` are compiled (else they run on the fused backend): not a
-    plain function, nor a read-out function with an argument that is neither a tensor nor
-    hashable (a list: the signature could not hold its value)."""
-    if isinstance(target, ReadoutFunction):
-        return all(isinstance(a, torch.Tensor) or _hashable(a) for a in target.arguments)
-    return not callable(target)
+_EXPLANATIONS: weakref.WeakKeyDictionary[LinearizedProgram, dict[tuple, CompiledExplanation | object]] = \
+    weakref.WeakKeyDictionary()
 
 
-def replays(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, target,
+def replays(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
             parameter_gradient: ParameterGradient | None = None) -> bool:
     """Whether :func:`explain_batch` of these arguments only runs a graph compiled earlier."""
-    if not _compilable(target):
+    if not _compilable(readout):
         return False
-    compiled = program.compiled.get(_signature(x, runs_channels_last(program, x), target, parameter_gradient,
-                                               _trained(program, model, parameter_gradient)))
+    compiled = explanations(program).get(_signature(x, runs_channels_last(program, x), readout, parameter_gradient,
+                                                    _trained(program, model, parameter_gradient)))
     return compiled is not None and compiled is not _FAILED
 
 
-def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                  target, parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
-    """``(C_w, C_b, ŷ, target, logits)`` from the compiled graph of this signature (see the module docstring)."""
-    if not _compilable(target):
-        return fused.explain_batch(program, model, x, target, parameter_gradient)
+def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+                  parameter_gradient: ParameterGradient | None = None) -> BackendExplanation:
+    """The explanation of ``readout`` from the compiled graph of this signature (see the module docstring)."""
+    if not _compilable(readout):
+        return fused.explain_batch(program, model, x, readout, parameter_gradient)
     given = x
     channels_last = runs_channels_last(program, x)
-    x, target = _laid_out(x, target, channels_last)
+    # A compiled graph assumes its inputs' strides: the images in the layout decided, the read-out's contiguous.
+    x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    readout = readout.with_tensors([t.contiguous() for t in readout.tensors])
     trained = _trained(program, model, parameter_gradient)
-    key = _signature(x, channels_last, target, parameter_gradient, trained)
-    compiled = program.compiled.pop(key, None)
+    key = _signature(x, channels_last, readout, parameter_gradient, trained)
+    compiled = explanations(program).pop(key, None)
     if compiled is None:  # the first call of this signature: eager, then traced, compiled and checked
-        expected = fused.explain_batch(program, model, x, target, parameter_gradient)
+        expected = fused.explain_batch(program, model, x, readout, parameter_gradient)
         with CAPTURE_LOCK:  # make_fx, like torch.export, holds process-wide dispatch modes while it traces
-            compiled, outputs = _compiled(program, model, x, target, parameter_gradient, trained, expected)
+            compiled, outputs = _compiled(program, model, x, readout, parameter_gradient, trained, expected)
             _keep(program, key, compiled)
         outputs = expected if compiled is _FAILED else _owned(outputs, x, parameter_gradient)
         return in_layout_of(given, channels_last, outputs)
     _keep(program, key, compiled)
     if compiled is _FAILED:
-        return in_layout_of(given, channels_last, fused.explain_batch(program, model, x, target, parameter_gradient))
+        return in_layout_of(given, channels_last, fused.explain_batch(program, model, x, readout, parameter_gradient))
     # The graph calls the fused rules' custom ops: not while another thread exports (CAPTURE_LOCK).
     # A first-order graph holds the backward already and its parameters need none; a
     # differentiable one records its compiled backward for the caller's loss.
     with torch.set_grad_enabled(parameter_gradient is not None), CAPTURE_LOCK:
         compiled.refresh()
-        outputs = compiled.run(*_graph_inputs(x, target, trained))
+        outputs = compiled.run(x, *readout.tensors, *trained.values())
     return in_layout_of(given, channels_last, _owned(outputs, x, parameter_gradient))
 
 
-def _owned(outputs, x: torch.Tensor, parameter_gradient: ParameterGradient | None) -> tuple[torch.Tensor, ...]:
+def _owned(outputs, x: torch.Tensor, parameter_gradient: ParameterGradient | None) -> BackendExplanation:
     """The compiled graph's outputs as the caller's: under CUDA graphs every run writes its
     outputs into the same buffers, so copies, which outlive the next run."""
-    return tuple(output.clone() for output in outputs) if x.is_cuda and parameter_gradient is None \
-        else tuple(outputs)
+    return BackendExplanation(*(output.clone() for output in outputs)) if x.is_cuda and parameter_gradient is None \
+        else BackendExplanation(*outputs)
 
 
 def _keep(program: LinearizedProgram, key: tuple, compiled: CompiledExplanation | object) -> None:
     """Keep ``compiled`` as the most recently used of the program's at most ``MAX_COMPILED``."""
-    program.compiled[key] = compiled
-    while len(program.compiled) > MAX_COMPILED:
-        program.compiled.pop(next(iter(program.compiled)))
+    kept = explanations(program)
+    kept[key] = compiled
+    while len(kept) > MAX_COMPILED:
+        kept.pop(next(iter(kept)))
 
 
 _FAILED = object()  # a signature whose trace or compilation failed: it runs on the fused backend
 
 
-def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, target,
+def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
               parameter_gradient: ParameterGradient | None, trained: dict[str, torch.Tensor],
-              expected: tuple[torch.Tensor, ...]) -> tuple[CompiledExplanation | object, tuple | None]:
-    """The traced and compiled explanation of ``target``'s signature, checked against ``expected``,
+              expected: BackendExplanation) -> tuple[CompiledExplanation | object, tuple | None]:
+    """The traced and compiled explanation of ``readout``'s signature, checked against ``expected``,
     and the outputs of its check run on this input.
 
     Two checks against the fused backend's explanation of the same input: the traced graph,
@@ -355,24 +317,18 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     one warning naming the cause) where tracing or compiling fails or a check does not hold.
     """
     differentiable = parameter_gradient is not None
-    head = len(_graph_inputs(x, target, {}))
+    head = 1 + len(readout.tensors)
 
     def explanation(*inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # The trained parameters (inputs[head:]) are the model's own tensors: the trace reads
         # them through the model and records them as these inputs.
-        if isinstance(target, ReadoutFunction):
-            tensors = iter(inputs[1:head])
-            traced_target = ReadoutFunction(target.function, tuple(
-                next(tensors) if isinstance(a, torch.Tensor) else a for a in target.arguments))
-        else:
-            traced_target = inputs[1] if head > 1 else None
-        weight, bias, explained, chosen, logits = fused.explain_batch(program, model, inputs[0], traced_target,
-                                                                      parameter_gradient, held_forward=True)
+        weight, bias, logit, target, logits = fused.explain_batch(
+            program, model, inputs[0], readout.with_tensors(inputs[1:head]), parameter_gradient, held_forward=True)
         if differentiable:
-            return weight, bias, explained, chosen, logits
-        return weight.detach(), bias.detach(), explained.detach(), chosen, logits.detach()
+            return weight, bias, logit, target, logits
+        return weight.detach(), bias.detach(), logit.detach(), target, logits.detach()
 
-    example = _graph_inputs(x, target, trained)
+    example = [x, *readout.tensors, *trained.values()]  # the images, the read-out's tensors, the trained parameters
     decompositions = traced_as_aten(x.device, differentiable)
 
     def traced_and_compiled(pack: bool) -> tuple[torch.fx.GraphModule, Callable | None, tuple | None, str | None,
@@ -385,14 +341,14 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         scale_gradients_not_kernels(graph.graph)
         graph.recompile()
         with torch.no_grad():  # values only: the gradient is checked on the compiled graph
-            replayed = graph(*example)
+            replayed = BackendExplanation(*graph(*example))
         counts = (folded, parameter_derived, packed)
         mismatch = _mismatch(replayed, _detached(expected), x, "traced", exact_order=not decompositions)
         if mismatch:  # not worth compiling
             return graph, None, None, mismatch, counts
         compiled = COMPILER(graph, example)
         with torch.set_grad_enabled(differentiable):
-            result = tuple(compiled(*example))
+            result = BackendExplanation(*compiled(*example))
         mismatch = _mismatch(_detached(result), _detached(expected), x, "compiled", exact_order=False) \
             or (_gradient_mismatch(result, expected, list(trained.values()), x) if differentiable else None)
         return graph, compiled, result, mismatch, counts
@@ -426,7 +382,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     log.info("compiled the explanation of %s for input %s %s and target %s%s in %.1f s (%d aten nodes, "
              "%d shape-only values folded, %d parameter-only values kept, %d convolutions with reordered "
              "kernels)", type(model).__name__, tuple(x.shape),
-             x.dtype, _target_kind(target),
+             x.dtype, readout.kind,
              f", differentiable ({parameter_gradient}, {len(trained)} parameter tensors)" if differentiable else "",
              seconds, sum(node.op == "call_function" for node in graph.graph.nodes), folded,
              len(parameter_derived.values) if parameter_derived is not None else 0, packed)
@@ -437,8 +393,14 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         result
 
 
-def _detached(outputs) -> tuple[torch.Tensor, ...]:
-    return tuple(output.detach() for output in outputs)
+def _detached(explanation: BackendExplanation) -> BackendExplanation:
+    return BackendExplanation(*(value.detach() for value in explanation))
+
+
+def relative_distance(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``‖got − want‖ / ‖want‖`` (Frobenius), computed in float64."""
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
 # Relative (Frobenius) bounds on the difference from the fused backend's explanation.
@@ -447,9 +409,9 @@ _REORDERED_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}  # fused kerne
 _HALF_LOGITS, _HALF_COMPLETENESS = 5e-2, 2e-2
 
 
-def _mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], x: torch.Tensor, stage: str,
+def _mismatch(got: BackendExplanation, want: BackendExplanation, x: torch.Tensor, stage: str,
               exact_order: bool) -> str | None:
-    """Why ``got`` (weight, bias, logit, target, logits) is not the fused backend's ``want``, or None.
+    """Why ``got`` is not the fused backend's explanation ``want``, or None.
 
     In half precision (see :func:`_half_precision`) the weight and bias of two correct explanations that round
     differently can differ by tens of percent (a rounding flips a gate, and the backward
@@ -460,7 +422,7 @@ def _mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], x: 
     """
     half = _half_precision(x)
     if half and not exact_order:
-        if relative_distance(got[4], want[4]) > _HALF_LOGITS:
+        if relative_distance(got.logits, want.logits) > _HALF_LOGITS:
             return f"{stage} explanation of {{}} gives logits that differ from the fused backend's by more " \
                    f"than {_HALF_LOGITS:g} relative"
         error, scale = _completeness(got, x)
@@ -470,8 +432,8 @@ def _mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...], x: 
                    "added)"
         return None
     tolerance = 1e-2 if half else (_ORDERED_TOLERANCE if exact_order else _REORDERED_TOLERANCE)[x.dtype]
-    for name, index in (("weight", 0), ("bias", 1), ("logit", 2)):
-        if relative_distance(got[index], want[index]) > tolerance:
+    for name in ("weight", "bias", "logit"):
+        if relative_distance(getattr(got, name), getattr(want, name)) > tolerance:
             return f"{stage} explanation of {{}} differs from the fused backend's in its {name} by more than " \
                    f"{tolerance:g} relative"
     return None
@@ -486,7 +448,7 @@ def _half_precision(x: torch.Tensor) -> bool:
     return x.dtype not in _ORDERED_TOLERANCE or autocast_half
 
 
-def _gradient_mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...],
+def _gradient_mismatch(got: BackendExplanation, want: BackendExplanation,
                        parameters: list[torch.Tensor], x: torch.Tensor) -> str | None:
     """Why the parameter gradient of a random projection of ``got`` (the compiled graph's
     differentiable outputs) is not that of ``want`` (the fused backend's), or None.
@@ -513,7 +475,7 @@ def _gradient_mismatch(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, 
     return None
 
 
-def _completeness(explanation: tuple[torch.Tensor, ...], x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _completeness(explanation: BackendExplanation, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``|Σ C_w·x + Σ C_b − ŷ|`` and ``|Σ C_w·x| + |Σ C_b| + |ŷ|`` per read-out, in float64."""
     weight, bias, explained = (t.double() for t in explanation[:3])
     inputs = x.double().unsqueeze(1) if weight.dim() > x.dim() else x.double()  # T read-outs

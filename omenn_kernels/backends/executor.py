@@ -22,7 +22,8 @@ squeeze-excitation branch, are computed with the parameters and then detached.
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+import weakref
+from typing import Callable, Literal, NamedTuple
 
 import torch
 
@@ -31,10 +32,26 @@ from ..errors import UnsupportedOpError
 from ..linearize.program import Kind, LinearizedProgram
 from ..linearize.registry import Rule, RuleError, op_name, unsupported
 from ..linearize.values import Gate, Live, contains, ones_checks, plain
+from ..readout import Readout
 
 Implementation = Callable[[Rule], Callable]
 ParameterGradient = Literal["total", "fixed_multipliers"]
 PARAMETER_GRADIENTS: tuple[str, ...] = ("total", "fixed_multipliers")
+
+# Per program and shape of the input's ones (and parameter gradient), what a forward found at each bias
+# with the checks decided by shapes alone (values.OnesChecks): later forwards replay it, reading nothing.
+_ONES_DECIDED: weakref.WeakKeyDictionary[LinearizedProgram, dict[tuple, tuple[bool, ...]]] = \
+    weakref.WeakKeyDictionary()
+
+
+class BackendExplanation(NamedTuple):
+    """A batch's explanation as every backend returns it (the API adds the contribution)."""
+
+    weight: torch.Tensor  # C_w, the input's shape (with T read-outs, T after the batch)
+    bias: torch.Tensor  # C_b, summed over the feature axis
+    logit: torch.Tensor  # ŷ, the explained read-out of the logits: (B,) or (B, T)
+    target: torch.Tensor  # what was explained: (B,) class indices, (B, K) or (B, T, K) read-out weights
+    logits: torch.Tensor  # (B, K), all the logits of the same forward
 
 
 def _as_gate(result, detached: bool):
@@ -93,7 +110,8 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     env[captured.input_name] = Live(x, ones, x.detach() if track_held else None)
     # The rules a forward runs, so the biases it meets, differ with the parameter gradient.
     ones_key = (tuple(ones.shape), parameter_gradient)
-    with ones_checks(program.ones_decided.get(ones_key)) as checks:
+    decided = _ONES_DECIDED.setdefault(program, {})
+    with ones_checks(decided.get(ones_key)) as checks:
         for step, released in zip(program.steps, program.released_after):
             node = step.node
             args = _lookup_env(env, node.args)
@@ -115,7 +133,7 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
             for name in released:
                 del env[name]
     if checks.shape_decided:
-        program.ones_decided[ones_key] = tuple(checks.fills)
+        decided[ones_key] = tuple(checks.fills)
     output = env[captured.output_name]
     if not isinstance(output, Live):
         producer = next((s for s in program.steps if s.node.name == captured.output_name), None)
@@ -127,26 +145,6 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
             op=op_name(producer.node.target) if producer else "",
             module_path=producer.module_path if producer else "", rule_kind="a LIVE output")
     return output
-
-
-def read_out(logits: torch.Tensor, target) -> tuple[torch.Tensor, torch.Tensor]:
-    """The explained read-out ``ŷ`` of ``logits`` (B, classes) and the target it used.
-
-    ``target``: (B,) class indices or (B, classes) read-out weights → ``ŷ`` (B,);
-    (B, T, classes) read-out weights → ``ŷ`` (B, T), T read-outs sharing one forward;
-    None → the predicted class; a callable → called with the detached logits, and its
-    result read out as above (so targets may depend on the prediction, e.g. top-k).
-    """
-    if callable(target):
-        target = target(logits.detach())
-    if target is None:
-        target = logits.detach().argmax(-1)
-    if target.is_floating_point():
-        weights = target.to(logits.dtype)
-        if weights.dim() == 3:
-            return (logits.unsqueeze(1) * weights).sum(-1), target
-        return (logits * weights).sum(-1), target
-    return logits.gather(1, target.unsqueeze(1)).squeeze(1), target
 
 
 def _model_logits(output: Live, parameter_gradient: ParameterGradient | None) -> torch.Tensor:
@@ -167,11 +165,11 @@ def _model_logits(output: Live, parameter_gradient: ParameterGradient | None) ->
     return output.held + (logits - output.held).detach()
 
 
-def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                 target, shared_ones: bool, implementation: Implementation,
+def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+                 shared_ones: bool, implementation: Implementation,
                  parameter_gradient: ParameterGradient | None = None,
-                 held_forward: bool = False) -> tuple[torch.Tensor, ...]:
-    """``(C_w, C_b, ŷ, target, logits)`` for the read-out ``ŷ`` of ``target`` (see :func:`read_out`).
+                 held_forward: bool = False) -> BackendExplanation:
+    """The explanation of ``readout`` for the batch ``x``.
 
     The input's ones channel has one entry per element, or with ``shared_ones`` one per
     position (shared along the feature axis, ``program.feature_dim``); ``C_b`` is its
@@ -193,7 +191,9 @@ def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Te
             ones_shape[feature] = 1
         ones = x.new_ones(ones_shape).requires_grad_(True)
         output = forward(program, model, inputs, ones, implementation, parameter_gradient, held_forward)
-        linear_readout, target = read_out(output.value, target)
+        target = readout.chosen(output.value)
+        # The linearized ŷ, differentiated for C_w and C_b; the returned ŷ has the logits' parameter gradient.
+        linear_readout = readout.value(output.value, target)
         if linear_readout.dim() == 1:
             weight, ones_grad = _gradients(linear_readout.sum(), inputs, ones, keep_graph, keep_graph)
             bias = _per_position(ones_grad, feature)
@@ -205,8 +205,7 @@ def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Te
             weight = torch.stack([w for w, _ in per_readout], 1)
             bias = torch.stack([_per_position(o, feature) for _, o in per_readout], 1)
         logits = _model_logits(output, parameter_gradient)
-        explained, _ = read_out(logits, target)
-    return weight, bias, explained, target, logits
+    return BackendExplanation(weight, bias, readout.value(logits, target), target, logits)
 
 
 def _per_position(ones_grad: torch.Tensor, feature: int | None) -> torch.Tensor:

@@ -21,14 +21,15 @@ import torch
 
 from ..capture import CAPTURE_LOCK
 from ..linearize.program import Kind, LinearizedProgram
-from .executor import ParameterGradient, explain_with
+from ..readout import Readout
+from .executor import BackendExplanation, ParameterGradient, explain_with
 from .layout import in_layout_of, runs_channels_last
 
 
-def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                  target, parameter_gradient: ParameterGradient | None = None,
-                  held_forward: bool = False) -> tuple[torch.Tensor, ...]:
-    """``(C_w, C_b, ŷ, target, logits)`` with one ones value per pixel and fused rules.
+def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+                  parameter_gradient: ParameterGradient | None = None,
+                  held_forward: bool = False) -> BackendExplanation:
+    """The explanation of ``readout`` with one ones value per pixel and fused rules.
 
     ``held_forward``: with a total parameter gradient, take the logits' parameter gradient
     from the model's own forward on the held values also where the multipliers are all
@@ -44,15 +45,14 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     ran_channels_last = runs_channels_last(program, x)
     laid_out = x.contiguous(memory_format=torch.channels_last) if ran_channels_last else x
     with CAPTURE_LOCK:
-        outputs = _explain_batch(program, model, laid_out, target, parameter_gradient, held_forward)
-    return in_layout_of(x, ran_channels_last, outputs)
+        explanation = _explain_batch(program, model, laid_out, readout, parameter_gradient, held_forward)
+    return in_layout_of(x, ran_channels_last, explanation)
 
 
-def _explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                   target, parameter_gradient: ParameterGradient | None,
-                   held_forward: bool) -> tuple[torch.Tensor, ...]:
+def _explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+                   parameter_gradient: ParameterGradient | None, held_forward: bool) -> BackendExplanation:
     if parameter_gradient is None:
-        return explain_with(program, model, x, target, True, lambda rule: rule.fused or rule.reference)
+        return explain_with(program, model, x, readout, True, lambda rule: rule.fused or rule.reference)
     once_only = sorted({step.rule.name for step in program.steps
                         if step.kind is Kind.LIVE and step.rule.fused is not None
                         and not step.rule.fused_differentiable})
@@ -68,4 +68,4 @@ def _explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.
         if rule.fused is not None and rule.fused_differentiable:
             return functools.partial(rule.fused, value_gradient=value_gradient)
         return rule.reference
-    return explain_with(program, model, x, target, True, implementation, parameter_gradient, held_forward)
+    return explain_with(program, model, x, readout, True, implementation, parameter_gradient, held_forward)

@@ -9,12 +9,15 @@ the image into patches, a matrix product) and non-image inputs keep theirs.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..linearize.program import LinearizedProgram
 from ..linearize.registry import arguments
 from ..linearize.values import channels_last
 from ..ops.conv_bias import cuts_patches
+from .executor import BackendExplanation
 
 _CONVOLUTIONS_2D = (torch.ops.aten.conv2d.default, torch.ops.aten.conv2d.padding)
 
@@ -34,16 +37,17 @@ def has_windowed_convolutions(program: LinearizedProgram) -> bool:
 def runs_channels_last(program: LinearizedProgram, x: torch.Tensor) -> bool:
     """Whether the explanation of the images ``x`` runs channels-last: where they come so, and
     on the CPU where the model is a CNN whose input has its channels at dim 1; else contiguous."""
-    if program.channels_last is None:
-        program.channels_last = program.feature_dim == 1 and has_windowed_convolutions(program)
-    return channels_last(x) or (x.device.type == "cpu" and x.dim() == 4 and program.channels_last)
+    if program not in _IS_CNN:  # decided once per program
+        _IS_CNN[program] = program.feature_dim == 1 and has_windowed_convolutions(program)
+    return channels_last(x) or (x.device.type == "cpu" and x.dim() == 4 and _IS_CNN[program])
 
 
-def in_layout_of(given: torch.Tensor, ran_channels_last: bool,
-                 outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """``outputs`` (``C_w`` first) with ``C_w`` contiguous where the images ran channels-last and
-    were ``given`` otherwise."""
+_IS_CNN: weakref.WeakKeyDictionary[LinearizedProgram, bool] = weakref.WeakKeyDictionary()
+
+
+def in_layout_of(given: torch.Tensor, ran_channels_last: bool, explanation: BackendExplanation) -> BackendExplanation:
+    """``explanation`` with ``C_w`` contiguous where the images ran channels-last and were
+    ``given`` otherwise."""
     if not ran_channels_last or channels_last(given):
-        return tuple(outputs)
-    weight, *rest = outputs
-    return (weight.contiguous(), *rest)
+        return explanation
+    return explanation._replace(weight=explanation.weight.contiguous())

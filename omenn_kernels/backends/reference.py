@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 
 from ..linearize.program import LinearizedProgram
-from .executor import ParameterGradient, explain_with
+from ..readout import Readout
+from .executor import BackendExplanation, ParameterGradient, explain_with
 
 
-def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
-                  target, parameter_gradient: ParameterGradient | None = None) -> tuple[torch.Tensor, ...]:
-    """``(C_w, C_b, ŷ, target, logits)`` with full-shape ones and reference rules."""
-    return explain_with(program, model, x, target, False, lambda rule: rule.reference, parameter_gradient)
+def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+                  parameter_gradient: ParameterGradient | None = None) -> BackendExplanation:
+    """The explanation of ``readout`` with full-shape ones and reference rules."""
+    return explain_with(program, model, x, readout, False, lambda rule: rule.reference, parameter_gradient)

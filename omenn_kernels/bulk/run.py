@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from .. import __version__, backends
 from ..api import Explainer
-from ..readout import ReadoutFunction
+from ..readout import Readout, ReadoutFunction
 from ..errors import OmennError, OptionError, StoreError, TargetError
 from .images import ImageFiles, ImageList, collate_images, list_images
 from .lock import StoreLock
@@ -430,7 +430,7 @@ class _BatchExplainer:
         self.device = device
         self.autocast = AUTOCAST_DTYPES[config.dtype]
         self.store_dtype = STORE_DTYPES[config.store_dtype]
-        self.backend = backends.resolved_name(config.backend, device)
+        self.backend = backends.Backend(config.backend)
 
     def _readout_weights(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """The (B, T, K) read-out weights of the target specification for a batch's logits."""
@@ -443,16 +443,8 @@ class _BatchExplainer:
         arrays.update(explained=np.full((rows, t), np.nan, np.float32),
                       logits=np.full((rows, self.classes), np.nan, np.float32),
                       targets=np.full((rows, t, 2), NO_CLASS, np.int32))
-        arrays[PRODUCED_BY] = np.full(rows, _producer(self.backend), dtype=object)
+        arrays[PRODUCED_BY] = np.full(rows, _producer(backends.resolved_name(self.backend.name, self.device)), object)
         return arrays
-
-    def _backend_that_ran(self, x: torch.Tensor, readouts: ReadoutFunction) -> str:
-        """The backend that explained ``x`` just now: ``fused`` for a compiled run whose graph for this
-        signature could not be compiled (see :func:`omenn_kernels.backends.compiled.replays`)."""
-        if self.backend != "compiled":
-            return self.backend
-        program, _ = self.explainer.program(x)
-        return "compiled" if backends.compiled.replays(program, self.explainer.model, x, readouts) else "fused"
 
     def __call__(self, batch: dict, image_shape: tuple[int, ...]) -> tuple[dict, np.ndarray]:
         indices = batch["indices"]
@@ -473,11 +465,12 @@ class _BatchExplainer:
         if self.labels is not None:
             labels = self.labels[batch["readable"]].to(self.device)
             labels = torch.cat([labels, labels[:1].expand(padding)])
-        readouts = ReadoutFunction(self.readout_weights, () if labels is None else (labels,))
+        readout = Readout(ReadoutFunction(self.readout_weights, () if labels is None else (labels,)))
         with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext():
-            e = self.explainer.explain_targets(x, readouts)
+            e = self.explainer.explain_targets(x, readout)
             # under the same autocast: a compiled graph is specialized on it
-            arrays[PRODUCED_BY][:] = _producer(self._backend_that_ran(x, readouts))
+            program, _ = self.explainer.program(x)
+            arrays[PRODUCED_BY][:] = _producer(self.backend.runs_on(program, self.explainer.model, x, readout))
         # the pairs the read-outs were made of: the same function of the same logits
         outputs = {"contribution": e.contribution, "bias": e.bias, "explained": e.logit, "logits": e.logits,
                    "targets": self.spec.pairs(e.logits, labels)}

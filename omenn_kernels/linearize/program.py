@@ -14,7 +14,7 @@ Every LIVE node must have a rule; a missing one is reported before anything runs
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
 
@@ -44,20 +44,12 @@ class Step:
     receiving: tuple[int, int] | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the backends key their caches by the program (weakly)
 class LinearizedProgram:
     """A captured graph with a rule (or a constant evaluation) for every node."""
 
     captured: CapturedModel
     steps: list[Step]
-    # Per shape of the input's ones (and parameter gradient), what a forward found at each bias
-    # with the checks decided by shapes alone (linearize.values.OnesChecks): later forwards
-    # replay it without reading the ones.
-    ones_decided: dict[tuple, tuple[bool, ...]] = field(default_factory=dict)
-    # The compiled backend's explanations of this program per signature (backends.compiled.CompiledExplanation).
-    compiled: dict[tuple, object] = field(default_factory=dict)
-    # Whether the compiled backend passes this program's images channels-last on the CPU; None until it decides.
-    channels_last: bool | None = None
     # The input's feature axis (a non-negative index): its ones channel is shared along it, and the
     # explanation sums over it. None: every element of the input is a position with ones of its own.
     feature_dim: int | None = 1

@@ -20,6 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from omenn_kernels import Explainer, InputError, ReadoutFunction, TargetError
 from omenn_kernels.backends import compiled, fused
+from omenn_kernels.backends.layout import runs_channels_last
+from omenn_kernels.readout import Readout
 from omenn_kernels.testing import FAMILIES, randomize_, relative_distance
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -77,7 +79,7 @@ def _compiled_graph(name: str = "vit") -> tuple[torch.nn.Module, torch.fx.Graph]
     for _ in range(2):
         _assert_equal_explanations(explainer(x, 1), expected, torch.float64)
     program, _ = explainer.program(x)
-    (explanation,) = program.compiled.values()
+    (explanation,) = compiled.explanations(program).values()
     return model, explanation.graph.graph
 
 
@@ -88,7 +90,7 @@ def test_the_traced_attention_is_one_block_where_eager_runs_it_in_chunks(traced,
     from omenn_kernels.linearize.rules import attention
 
     monkeypatch.setattr(attention, "_CHUNK_BYTES", 1)  # one head per chunk when eager
-    monkeypatch.setattr(attention, "_weights_fit_one_chunk", lambda q, k: True)  # written out, not the op
+    monkeypatch.setattr(attention, "weights_fit_one_chunk", lambda q, k: True)  # written out, not the op
     model, graph = _compiled_graph()
     targets = [str(node.target) for node in graph.nodes if node.op == "call_function"]
     layers = sum(isinstance(m, torch.nn.MultiheadAttention) or type(m).__name__ == "Attention"
@@ -153,7 +155,7 @@ def test_a_float32_cnn_in_channels_last_compiles_without_falling_back(traced):
             for _ in range(2):
                 explainer(x, None)
         program, _ = explainer.program(x)
-        assert program.channels_last and compiled.replays(program, model, x, None)
+        assert runs_channels_last(program, x) and compiled.replays(program, model, x, Readout(None))
 
 
 @pytest.mark.parametrize("name", ["vit", "cnn"])
@@ -164,7 +166,7 @@ def test_a_compiled_explanation_is_one_graph_and_reads_nothing_back(name, traced
     explainer = Explainer(model, backend="compiled")
     explainer(x, 1)
     program, _ = explainer.program(x)
-    (explanation,) = program.compiled.values()
+    (explanation,) = compiled.explanations(program).values()
     assert isinstance(explanation.graph, torch.fx.GraphModule) and explanation.run is explanation.graph
     assert "omenn.linear_ones" in explanation.graph.code or "omenn.conv2d_ones" in explanation.graph.code
 
@@ -172,7 +174,7 @@ def test_a_compiled_explanation_is_one_graph_and_reads_nothing_back(name, traced
         raise AssertionError("the fused backend's interpreter ran")
     monkeypatch.setattr(fused, "explain_batch", interpreted)
     with _Dispatched() as inside:
-        compiled.explain_batch(program, model, x, torch.tensor([1, 1]))
+        compiled.explain_batch(program, model, x, Readout(torch.tensor([1, 1])))
     assert SYNC not in inside.ops
     with _Dispatched() as whole:
         e = explainer(x, 1)
@@ -204,18 +206,18 @@ def test_a_replayed_graph_runs_before_the_input_check_is_read_and_nan_is_still_r
     assert not explainer._programs
     first = explainer(x, 1)
     program, _ = explainer.program(x)
-    ((key, traced_graph),) = program.compiled.items()
+    ((key, traced_graph),) = compiled.explanations(program).items()
     order: list = []
     explanation = dataclasses.replace(traced_graph,
                                       run=lambda *inputs: order.append("graph") or traced_graph.run(*inputs))
-    program.compiled[key] = explanation
+    compiled.explanations(program)[key] = explanation
     with _Order(order):
         again = explainer(x, 1)
     assert order == ["graph", "read"]
     _assert_equal_explanations(again, first, torch.float32)
     with pytest.raises(InputError, match=r"1 NaN or Inf"):
         explainer(bad, 1)
-    assert list(program.compiled.values()) == [explanation]  # kept, not marked failed
+    assert list(compiled.explanations(program).values()) == [explanation]  # kept, not marked failed
     _assert_equal_explanations(explainer(x, 1), first, torch.float32)
 
 
@@ -306,7 +308,7 @@ def test_under_autocast_to_bfloat16_the_compiled_graph_is_used(traced):
         for _ in range(2):
             explanation = explainer(x, 1)
     program, _ = explainer.program(x)
-    (compiled_explanation,) = program.compiled.values()
+    (compiled_explanation,) = compiled.explanations(program).values()
     assert isinstance(compiled_explanation, compiled.CompiledExplanation)
     assert explanation.logit.dtype == torch.bfloat16
 
@@ -354,7 +356,7 @@ def test_the_ops_traced_as_aten_math_equal_the_reference(name, device, traced, m
         for _ in range(2):
             _assert_equal_explanations(explainer(x, target), reference(x, target), torch.float64)
     program, _ = explainer.program(x)
-    (explanation,) = program.compiled.values()
+    (explanation,) = compiled.explanations(program).values()
     called = {node.target for node in explanation.graph.graph.nodes if node.op == "call_function"}
     assert not called & set(table)
     if device == "cuda":
@@ -380,7 +382,7 @@ def test_compiled_explanations_are_kept_per_signature_and_bounded(traced, monkey
         explainer(x, target)
     assert len(traces) == 3  # indices, predicted, weights
     program, _ = explainer.program(x)
-    assert [key[0] for key in program.compiled] == ["predicted", "weights"]
+    assert [key[0] for key in compiled.explanations(program)] == ["predicted", "weights"]
 
 
 @pytest.mark.parametrize("name, graph_layouts", [("cnn", [True]), ("vit", [False, True])])
@@ -410,7 +412,7 @@ def test_images_and_targets_of_any_layout_reach_a_graph_in_the_layout_it_was_com
             _assert_equal_explanations(explanation, reference(images, target), torch.float64)
             assert explanation.weight.is_contiguous() or images is laid_out[1]
     program, _ = explainer.program(x)
-    assert sorted(key[1][1] for key in program.compiled) == graph_layouts  # channels-last or not
+    assert sorted(key[1][1] for key in compiled.explanations(program)) == graph_layouts  # channels-last or not
 
 
 def test_images_run_channels_last_only_where_their_channels_are_at_dim_one(traced):
@@ -422,8 +424,8 @@ def test_images_run_channels_last_only_where_their_channels_are_at_dim_one(trace
         for _ in range(2):
             _assert_equal_explanations(explainer(x, 1), expected, torch.float64)
         program, _ = explainer.program(x)
-        assert program.channels_last is channels_last
-        assert [key[1][1] for key in program.compiled] == [channels_last]
+        assert runs_channels_last(program, x) is channels_last
+        assert [key[1][1] for key in compiled.explanations(program)] == [channels_last]
 
 
 @pytest.mark.parametrize("name", ["cnn", "resnet", "vgg"])
@@ -459,7 +461,7 @@ def test_inductor_compiles_the_explanation_and_follows_parameter_updates(wrapper
                 parameter.add_(0.1 * torch.randn_like(parameter))
         _assert_equal_explanations(explainer(x, 2), reference(x, 2), torch.float32)
     program, _ = explainer.program(x)
-    run = next(iter(program.compiled.values())).run
+    run = next(iter(compiled.explanations(program).values())).run
     assert not isinstance(run, torch.fx.GraphModule)
     assert ("inductor_entry" in run.source_code) == (wrapper == "C++")  # the C++ wrapper's entry point
 
@@ -482,7 +484,7 @@ def test_a_graph_the_cpp_wrapper_cannot_compile_gets_the_python_wrapper_without_
         _assert_equal_explanations(explainer(x, 1), Explainer(model, backend="reference")(x, 1), torch.float32)
     assert "C++ wrapper did not compile the explanation (RuntimeError: no C++ wrapper here)" in caplog.text
     program, _ = explainer.program(x)
-    run = next(iter(program.compiled.values())).run
+    run = next(iter(compiled.explanations(program).values())).run
     assert "def call(" in run.source_code and "inductor_entry" not in run.source_code  # the Python wrapper
 
 
@@ -507,8 +509,8 @@ def test_a_readout_function_is_compiled_with_its_arguments_as_inputs(traced, mon
                                    reference.explain_targets(x, readouts), torch.float64)
     assert len(traces) == 1
     program, _ = explainer.program(x)
-    (key,) = program.compiled
-    assert key[0] == "function" and isinstance(program.compiled[key].graph, torch.fx.GraphModule)
+    (key,) = compiled.explanations(program)
+    assert key[0] == "function" and isinstance(compiled.explanations(program)[key].graph, torch.fx.GraphModule)
 
 
 def test_a_readout_function_of_the_wrong_shape_is_a_clear_error(traced):
@@ -536,4 +538,4 @@ def test_inductor_on_cuda_equals_reference_and_outlives_the_next_run(name, full_
         for field in ("contribution", "weight", "bias"):
             assert relative_distance(getattr(got, field), getattr(expected[i % 2], field)) <= 1e-4, (i, field)
     program, _ = explainer.program(inputs[0])
-    assert isinstance(next(iter(program.compiled.values())), compiled.CompiledExplanation)
+    assert isinstance(next(iter(compiled.explanations(program).values())), compiled.CompiledExplanation)

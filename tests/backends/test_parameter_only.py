@@ -163,7 +163,7 @@ def test_compiled_explanations_follow_every_change_of_the_parameters(compiler, m
     for _ in range(2):  # compiled, then replayed
         explainer(x, 1)
     program, _ = explainer.program(x)
-    (explanation,) = program.compiled.values()
+    (explanation,) = compiled.explanations(program).values()
     assert explanation.parameter_derived is not None and len(explanation.parameter_derived.values) == 4
     for _ in range(2):
         _changed_in_every_way(model)
@@ -183,7 +183,7 @@ def test_the_graphs_of_two_batch_sizes_share_the_kept_values(monkeypatch):
         for _ in range(2):
             explainer(x, 1)
     program, _ = explainer.program(images[0])
-    first, second = (explanation.parameter_derived.values for explanation in program.compiled.values())
+    first, second = (explanation.parameter_derived.values for explanation in compiled.explanations(program).values())
     assert len(first) == 4 and all(a is b for a, b in zip(first, second))
     _changed_in_every_way(model)
     for x in images:

@@ -89,7 +89,7 @@ def test_a_compiled_cnn_computes_no_window_sum_per_call(monkeypatch):
     x = torch.randn(2, 3, family.size, family.size, dtype=torch.float64)
     explainer = Explainer(model, backend="compiled")
     explainer(x, 1)
-    (explanation,) = explainer.program(x)[0].compiled.values()
+    (explanation,) = compiled.explanations(explainer.program(x)[0]).values()
     window_sums = [node for node in explanation.graph.graph.nodes
                    if node.target is aten.convolution.default and node.args[1].op != "get_attr"
                    and node.args[1].target in (aten.new_ones.default, aten.ones.default)]

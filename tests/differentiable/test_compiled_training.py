@@ -111,7 +111,7 @@ def test_the_differentiable_graph_keeps_the_convolutions_input_gradient_an_op(tr
         for _ in range(2):
             explainer(x, TARGET, create_graph=create_graph)
     program, _ = explainer.program(x)
-    for key, explanation in program.compiled.items():
+    for key, explanation in compiled.explanations(program).items():
         called = {str(node.target) for node in explanation.graph.graph.nodes if node.op == "call_function"}
         differentiable = key[-1] is not None
         assert ("omenn.conv2d_input_grad.default" in called) == differentiable, key
@@ -171,5 +171,5 @@ def test_frozen_parameters_are_a_new_signature(traced, monkeypatch):
     explainer(x, TARGET, create_graph=True)
     explanation = _compiled_call(explainer, x, "total", monkeypatch)
     program, _ = explainer.program(x)
-    assert len(program.compiled) == 2
+    assert len(compiled.explanations(program)) == 2
     _assert_matches_reference(model, x, explanation, "total")
