@@ -2,8 +2,8 @@
 
     OMP_NUM_THREADS=1 python -m pytest bench/test_parts_backends.py --benchmark-json parts_backends_cpu.json
 
-(The committed results, ``bench/results/compiled_cpu_parts.json`` and
-``compiled_cpu_parts_run2.json``, come from two runs of this file; see bench/README.md.)
+(The committed result, ``bench/results/compiled_cpu_parts.json``, comes from a run of this
+file; see bench/README.md.)
 
 float32, 96×96, batch 1 and 32, one thread; each timed call explains class 3. Capture and
 compilation happen outside the timed region (``omenn_compiled``: the first call runs
