@@ -68,7 +68,7 @@ def _compiled_reference(model, x):
     """The reference backend's linearized forward under ``torch.compile``, then one backward."""
     program, _ = Explainer(model, backend="reference").program(x)
     linear_forward = torch.compile(
-        lambda inputs, ones: executor.forward(program, model, inputs, ones, lambda rule: rule.reference).value)
+        lambda inputs, ones: executor.forward(program, model, inputs, ones, lambda rule: rule.reference)[0].value)
 
     def call():
         inputs = x.clone().requires_grad_(True)

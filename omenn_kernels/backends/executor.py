@@ -3,21 +3,25 @@
 Shared by the backends, which differ in the shape of the input's ones channel and
 in the implementation they pick for each rule (reference math or a fused op).
 
-Explanations differentiable with respect to the parameters (``parameter_gradient``):
-the parameters are bound without detaching them and the backward keeps its graph.
-With ``"total"`` the forward also runs every LIVE operation on the ``held`` values
-(unless its rule computed the held result itself: attention from the weights it holds,
-and the fused linear, whose linearized value then takes the held result's numbers), which
-is the model's own forward of the detached input: the multipliers computed from
-it are constant with respect to the input but follow the parameters, so the gradient
-of ``C`` with respect to the parameters is its total derivative. A program whose
-multipliers are all piecewise constant (ReLU, max pooling, eval-mode BatchNorm: no gate
-and no rule with ``held_multipliers``) skips the held forward: its multipliers do not
-change with the parameters, so the total derivative is the one with them held, and the
-linearized logits carry the model's own parameter gradient. With
+The held pass gives the values that multipliers are read from (``Held``). For a
+first-order explanation they are the linearized values detached, read as the forward
+reaches them. Explanations differentiable with respect to the parameters
+(``parameter_gradient``) bind the parameters without detaching them and keep the
+backward's graph. With ``"total"`` the held pass is the model's own forward of the
+detached input, run before the linearized one: the multipliers computed from it (and
+the gates, which it computes) are constant with respect to the input but follow the
+parameters, so the gradient of ``C`` with respect to the parameters is its total
+derivative, and the logits are the model's own. A program whose multipliers are all
+piecewise constant (ReLU, max pooling, eval-mode BatchNorm: no gate and no rule that
+reads held multipliers) skips that pass: its multipliers do not change with the
+parameters, so the total derivative is the one with them held. With
 ``"fixed_multipliers"`` the multipliers stay detached from the parameters too, gates
 included: attention weights from query and key projections of their own, or a
 squeeze-excitation branch, are computed with the parameters and then detached.
+
+``reuse_held_results``: rules that can (``Rule.held``) take the numbers of the model's
+result of their operation from the held pass instead of computing them again (a
+linear layer's product, attention's ``A·V``).
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ import torch
 
 from ..capture import bound_tensors
 from ..errors import UnsupportedOpError
-from ..linearize.program import Kind, LinearizedProgram
-from ..linearize.registry import Rule, RuleError, op_name, unsupported
-from ..linearize.values import Gate, Live, contains, ones_checks, plain
+from ..linearize.program import Kind, LinearizedProgram, Step
+from ..linearize.registry import Rule, RuleError, arguments, op_name, unsupported
+from ..linearize.values import Gate, Held, Live, contains, ones_checks, plain
 from ..readout import Readout
 
 Implementation = Callable[[Rule], Callable]
@@ -72,33 +76,52 @@ def _lookup_env(env: dict, arg):
     return arg
 
 
-def _has_held(result) -> bool:
-    """Whether every Live of a rule's result already has its held value (set by the rule)."""
-    if isinstance(result, Live):
-        return result.held is not None
-    if isinstance(result, (list, tuple)):
-        return all(_has_held(part) for part in result)
-    return True
+class _Detached:
+    """The held values of a first-order forward: its values as it computes them, detached."""
+
+    def __init__(self, env: dict) -> None:
+        self.env = env
+
+    def __getitem__(self, name: str):
+        return plain(self.env[name])
+
+    def __contains__(self, name: str) -> bool:
+        return False
+
+    def pop(self, name: str, default=None) -> None:
+        return None
 
 
-def _attach_held(result, held) -> None:
-    """Give each Live of a rule's result the matching part of the op's result on held values."""
-    if isinstance(result, Live):
-        result.held = held
-    elif isinstance(result, (list, tuple)):
-        for part, held_part in zip(result, held):
-            _attach_held(part, held_part)
+def runs_model_forward(program: LinearizedProgram, parameter_gradient: ParameterGradient | None,
+                       model_forward: bool = False) -> bool:
+    """Whether the held pass is the model's own forward: for a total parameter gradient where a
+    multiplier follows the held values (``program.multipliers_follow_held``), or always with
+    ``model_forward``."""
+    return parameter_gradient == "total" and (model_forward or program.multipliers_follow_held)
+
+
+def held_pass(program: LinearizedProgram, env: dict, x: torch.Tensor) -> dict:
+    """The model's own forward of ``x`` detached, every node's result by name; ``env`` binds the
+    parameters and buffers (not detached)."""
+    held = dict(env)
+    held[program.captured.input_name] = x.detach()
+    for step in program.steps:
+        node = step.node
+        held[node.name] = node.target(*_lookup_env(held, node.args), **_lookup_env(held, node.kwargs))
+    return held
 
 
 def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
             ones: torch.Tensor, implementation: Implementation,
-            parameter_gradient: ParameterGradient | None = None, held_forward: bool = False) -> Live:
-    """Run the linearized program on ``(x, ones)`` and return the LIVE model output.
+            parameter_gradient: ParameterGradient | None = None, model_forward: bool = False,
+            reuse_held_results: bool = False) -> tuple[Live, torch.Tensor | None]:
+    """Run the linearized program on ``(x, ones)``: the LIVE model output, and the model's own
+    output from the held pass where that is the model's forward (else None).
 
-    ``implementation(rule)`` picks the function that runs each LIVE rule.
-    ``parameter_gradient`` (None: everything is detached from the parameters) is
-    explained in the module's docstring; ``held_forward`` runs the held forward with
-    ``"total"`` also where the multipliers are all piecewise constant.
+    ``implementation(rule)`` picks the function that runs each LIVE rule. The held pass and
+    ``reuse_held_results`` are explained in the module's docstring; ``model_forward`` runs the
+    model's forward as the held pass with ``"total"`` also where the multipliers are all
+    piecewise constant.
 
     Raises:
         UnsupportedOpError: a rule met operands it cannot linearize (e.g. a product of
@@ -106,32 +129,27 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     """
     captured = program.captured
     env: dict[str, object] = bound_tensors(captured, model, differentiable=parameter_gradient is not None)
-    track_held = parameter_gradient == "total" and (held_forward or program.multipliers_follow_held)
-    env[captured.input_name] = Live(x, ones, x.detach() if track_held else None)
+    held = held_pass(program, env, x) if runs_model_forward(program, parameter_gradient, model_forward) \
+        else _Detached(env)
+    env[captured.input_name] = Live(x, ones)
+    model_output = held[captured.output_name] if isinstance(held, dict) else None
     # The rules a forward runs, so the biases it meets, differ with the parameter gradient.
     ones_key = (tuple(ones.shape), parameter_gradient)
     decided = _ONES_DECIDED.setdefault(program, {})
     with ones_checks(decided.get(ones_key)) as checks:
         for step, released in zip(program.steps, program.released_after):
             node = step.node
-            args = _lookup_env(env, node.args)
-            kwargs = _lookup_env(env, node.kwargs)
-            if step.kind is Kind.CONST:  # may read only the shape of a LIVE argument
-                env[node.name] = node.target(*plain(args), **plain(kwargs))
-            elif step.kind is Kind.GATE:  # fixed multipliers: a gate computed with parameters ignores them
-                env[node.name] = _as_gate(node.target(*plain(args), **plain(kwargs)),
-                                          detached=parameter_gradient == "fixed_multipliers")
-            else:
-                rule_kwargs = {**kwargs, "receiving": step.receiving} if step.rule.receiving else kwargs
-                try:
-                    env[node.name] = implementation(step.rule)(node.target, *args, **rule_kwargs)
-                except RuleError as error:
-                    raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
-                if track_held and not _has_held(env[node.name]):
-                    _attach_held(env[node.name], node.target(*plain(args), **plain(kwargs)))
-            del args, kwargs
+            if step.kind is Kind.LIVE:
+                env[node.name] = _run_rule(step, implementation(step.rule), env, held, reuse_held_results)
+            else:  # may read only the shape of a LIVE argument
+                value = held[node.name] if node.name in held else \
+                    node.target(*_lookup_env(held, node.args), **_lookup_env(held, node.kwargs))
+                # fixed multipliers: a gate computed with parameters ignores them
+                env[node.name] = value if step.kind is Kind.CONST else \
+                    _as_gate(value, detached=parameter_gradient == "fixed_multipliers")
             for name in released:
                 del env[name]
+                held.pop(name, None)
     if checks.shape_decided:
         decided[ones_key] = tuple(checks.fills)
     output = env[captured.output_name]
@@ -144,13 +162,30 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
             "through supported rules",
             op=op_name(producer.node.target) if producer else "",
             module_path=producer.module_path if producer else "", rule_kind="a LIVE output")
-    return output
+    return output, model_output
 
 
-def _model_logits(output: Live, parameter_gradient: ParameterGradient | None) -> torch.Tensor:
+def _run_rule(step: Step, rule: Callable, env: dict, held, reuse_held_results: bool):
+    """The result of a LIVE step's ``rule``, given its operands (and their held values where it reads them)."""
+    node = step.node
+    args, kwargs = _lookup_env(env, node.args), _lookup_env(env, node.kwargs)
+    if step.rule.receiving:
+        kwargs["receiving"] = step.receiving
+    if step.rule.held:
+        result = held[node.name] if reuse_held_results and node.name in held else None
+        kwargs["held"] = Held(arguments(node.target, _lookup_env(held, node.args), _lookup_env(held, node.kwargs)),
+                              result)
+    try:
+        return rule(node.target, *args, **kwargs)
+    except RuleError as error:
+        raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
+
+
+def _model_logits(output: Live, model_output: torch.Tensor | None,
+                  parameter_gradient: ParameterGradient | None) -> torch.Tensor:
     """The logits to return: the linearized forward's numbers, with the model's parameter gradient.
 
-    With ``"total"`` the held forward is the model's own function of the parameters; without
+    With ``"total"`` the held pass is the model's own function of the parameters; without
     one (all multipliers piecewise constant) the linearized value is, since holding the
     multipliers fixed changes nothing there. Otherwise the linearized value's gradient holds
     the multipliers fixed, so it is never exposed. The numbers stay the linearized
@@ -160,15 +195,15 @@ def _model_logits(output: Live, parameter_gradient: ParameterGradient | None) ->
     logits = output.value.detach()
     if parameter_gradient != "total":
         return logits
-    if output.held is None:
+    if model_output is None:
         return output.value
-    return output.held + (logits - output.held).detach()
+    return model_output + (logits - model_output).detach()
 
 
 def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
                  shared_ones: bool, implementation: Implementation,
                  parameter_gradient: ParameterGradient | None = None,
-                 held_forward: bool = False) -> BackendExplanation:
+                 model_forward: bool = False, reuse_held_results: bool = False) -> BackendExplanation:
     """The explanation of ``readout`` for the batch ``x``.
 
     The input's ones channel has one entry per element, or with ``shared_ones`` one per
@@ -180,7 +215,7 @@ def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Te
     With ``parameter_gradient`` (see the module's docstring) ``C_w`` and ``C_b`` are
     differentiable with respect to the model's parameters; so are ``ŷ`` and ``logits``
     with ``"total"`` (the model's own gradient), while with ``"fixed_multipliers"`` they
-    are detached. ``held_forward``: as in :func:`forward`.
+    are detached. ``model_forward`` and ``reuse_held_results``: as in :func:`forward`.
     """
     keep_graph = parameter_gradient is not None
     with torch.inference_mode(False), torch.enable_grad():
@@ -190,7 +225,8 @@ def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Te
         if shared_ones and feature is not None:
             ones_shape[feature] = 1
         ones = x.new_ones(ones_shape).requires_grad_(True)
-        output = forward(program, model, inputs, ones, implementation, parameter_gradient, held_forward)
+        output, model_output = forward(program, model, inputs, ones, implementation, parameter_gradient,
+                                       model_forward, reuse_held_results)
         target = readout.chosen(output.value)
         # The linearized ŷ, differentiated for C_w and C_b; the returned ŷ has the logits' parameter gradient.
         linear_readout = readout.value(output.value, target)
@@ -204,7 +240,7 @@ def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Te
                            for t in range(count)]
             weight = torch.stack([w for w, _ in per_readout], 1)
             bias = torch.stack([_per_position(o, feature) for _, o in per_readout], 1)
-        logits = _model_logits(output, parameter_gradient)
+        logits = _model_logits(output, model_output, parameter_gradient)
     return BackendExplanation(weight, bias, readout.value(logits, target), target, logits)
 
 

@@ -83,9 +83,9 @@ class LinearizedProgram:
 
     @property
     def multipliers_follow_held(self) -> bool:
-        """Whether a multiplier changes smoothly with held values: a gate, or a LIVE rule
-        with ``held_multipliers`` (see :class:`~omenn_kernels.linearize.registry.Rule`)."""
-        return any(step.kind is Kind.GATE or (step.kind is Kind.LIVE and step.rule.held_multipliers)
+        """Whether a multiplier changes smoothly with held values: a gate, or a LIVE rule that
+        reads held multipliers (``Rule.held``)."""
+        return any(step.kind is Kind.GATE or (step.kind is Kind.LIVE and step.rule.held == "multipliers")
                    for step in self.steps)
 
 

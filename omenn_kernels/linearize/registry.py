@@ -54,11 +54,13 @@ class Rule:
             use of its result is an error.
         shape_only: the result depends on the shape of its input, not its values
             (``zeros_like``): it is CONST.
-        held_multipliers: the rule may compute multipliers from the held values of its
-            LIVE operands that change smoothly with them (GELU's ``ξ``, LayerNorm's
-            ``1/σ``, attention weights), so a total parameter gradient must follow them.
-            False where it reads no held value or only piecewise-constant multipliers
-            (ReLU's 0/1): a program without such rules and gates needs no held forward.
+        held: what the rule reads from the executor's held pass, given as the keyword ``held``
+            (:class:`~omenn_kernels.linearize.values.Held`): ``"multipliers"``, multipliers that
+            change smoothly with its operands' held values (GELU's ``ξ``, LayerNorm's ``1/σ``,
+            attention weights), which a total parameter gradient must follow; ``"result"``, only
+            the model's result of the operation, whose numbers its value may take instead of
+            computing them again. Empty: the rule reads nothing held, or only piecewise-constant
+            multipliers (ReLU's 0/1, an arg-max), which it reads from its operands' values.
         receiving: ``reference`` and ``fused`` take the keyword ``receiving``, the block
             ``(start, stop)`` of the result's last-dim features that can receive a
             gradient (None: all), which the graph walker decides once
@@ -79,7 +81,7 @@ class Rule:
     transparent: bool = False
     live: bool = True
     shape_only: bool = False
-    held_multipliers: bool = True
+    held: str = ""
     receiving: bool = False
     masked: Rule | None = None
 

@@ -3,7 +3,7 @@
 * ``Live``: computed from the input; carries its ones channel ``ones`` (the rule
   book's ``O``) next to its ``value``. Both take part in the backward pass.
   Multipliers (activation ``ξ``, ``1/σ``, attention weights) are computed from its
-  ``held`` value, which is held constant with respect to the input.
+  held value (:class:`Held`), which is constant with respect to the input.
 * ``Gate``: computed from the input but held constant (R5): softmax attention
   weights, squeeze-excitation sigmoids and everything that only feeds them.
 * anything else (tensors, numbers, shapes): CONST — parameters, buffers, constants.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -27,17 +27,10 @@ class Live:
     ones value shared along that dimension (one per token or pixel, not per channel).
     Sharing does not change C, C_w or C_b: a shared entry's gradient is the sum of
     the gradients its broadcast copies would get.
-
-    ``held`` is the same number as ``value``, as the multipliers see it: constant with
-    respect to the input. None means ``value.detach()`` (constant with respect to
-    everything). For gradients with respect to the parameters it is the model's own
-    forward of the detached input, which still depends on the parameters, so a
-    multiplier's change with the parameters is differentiated too.
     """
 
     value: torch.Tensor
     ones: torch.Tensor
-    held: torch.Tensor | None = None
 
 
 @dataclass
@@ -45,6 +38,22 @@ class Gate:
     """An input-dependent tensor that the linearization holds constant (R5)."""
 
     value: torch.Tensor
+
+
+class Held(NamedTuple):
+    """What a rule reads its multipliers from, given by the executor's held pass.
+
+    ``args``: the operation's arguments in schema order, each LIVE one as its held value:
+    the same numbers, constant with respect to the input. For a first-order explanation
+    that is the value detached; for a total parameter gradient it is the model's own
+    forward of the detached input, which still depends on the parameters, so that a
+    multiplier's change with the parameters is differentiated too. ``result``: the
+    model's own result of the operation on them, where the executor reuses it (its
+    numbers equal the linearized value's up to rounding), else None.
+    """
+
+    args: list
+    result: Any = None
 
 
 def full_ones(live: Live) -> torch.Tensor:
@@ -66,11 +75,10 @@ def channel_rows(t: torch.Tensor) -> torch.Tensor:
 def plain(obj: Any) -> Any:
     """The numeric value of ``obj`` with Live/Gate unwrapped (recursively in lists/tuples).
 
-    Live values give their ``held`` value: a plain value never carries the gradient with
-    respect to the input.
+    Live values give their value detached: a plain value never carries a gradient.
     """
     if isinstance(obj, Live):
-        return obj.value.detach() if obj.held is None else obj.held
+        return obj.value.detach()
     if isinstance(obj, Gate):
         return obj.value
     if isinstance(obj, (list, tuple)):

@@ -13,8 +13,8 @@ Kernels: CPU ``csrc/activation.cpp`` (through ``omenn::activation_cpu``), CUDA
 (:func:`~omenn_kernels.linearize.rules.activation.multiplier`).
 
 The rule's fused form runs where a kernel exists; where ``ξ`` must follow the parameters
-(a total parameter gradient through a smooth activation, which gives the rule a held
-value) the rule's reference math runs instead.
+(a total parameter gradient through a smooth activation, whose held value then carries a
+gradient) the rule's reference math runs instead.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.library import triton_op
 
 from ..linearize.registry import arguments
 from ..linearize.rules.activation import multiplier
-from ..linearize.values import Live
+from ..linearize.values import Held, Live
 from ..native import define_cpu_op
 from . import fuse, kernels_available
 
@@ -34,7 +34,6 @@ aten = torch.ops.aten
 # triton_kernels.activation.KINDS use the same).
 _KINDS = {aten.relu.default: "relu", aten.silu.default: "silu", aten.hardswish.default: "hardswish"}
 # Multipliers that are piecewise constant (0/1, or 1/slope): they do not change with the parameters.
-PIECEWISE_CONSTANT = ("relu", "leaky_relu")
 
 
 def fused_kind(op, rest: list) -> tuple[str, float] | None:
@@ -121,10 +120,10 @@ def _activation_backward_grad(ctx, grad_grad):
 activation_backward.register_autograd(_activation_backward_grad, setup_context=_activation_backward_setup)
 
 
-def _can_fuse(op, *args, value_gradient: bool = False, **kwargs) -> bool:
+def _can_fuse(op, *args, value_gradient: bool = False, held: Held | None = None, **kwargs) -> bool:
     x, *rest = arguments(op, args, kwargs)
     kind = fused_kind(op, rest)
-    return kind is not None and kernels_available(x.value) and (x.held is None or kind[0] in PIECEWISE_CONSTANT)
+    return kind is not None and kernels_available(x.value) and (held is None or not held.args[0].requires_grad)
 
 
 def _fused(op, *args, value_gradient: bool = False, **kwargs) -> Live:

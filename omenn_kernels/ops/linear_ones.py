@@ -9,9 +9,9 @@ shrinks to the value third, one of the three products a gradient computes there.
 features, so explanations differentiable with respect to the parameters run it too. Without
 a bias the backward does no ones work beyond passing on the ones' own gradient.
 
-With a held forward (the total parameter gradient) the rule's value takes the numbers of
-the model's own output on the held values, and only that backward is the op's
-(:class:`_LinearOfHeld`).
+Where the executor gives the model's own result (``Held.result``: a total parameter
+gradient, whose held pass is the model's forward) the value takes its numbers, and only
+that backward is the op's (:class:`_LinearOfHeld`).
 
 Kernels: aten's matrix products on every device; on the CPU the forward's calls are made
 from C++ (``omenn::linear_ones_cpu``, ``csrc/linear_ones.cpp``), which a compiled
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
 from ..linearize.registry import arguments
-from ..linearize.values import Live, with_parameter_gradient
+from ..linearize.values import Held, Live, with_parameter_gradient
 from ..native import available, define_cpu_op
 from . import constants, fills_padding, fuse
 
@@ -173,13 +173,14 @@ def _linear_parameter_gradients(x: torch.Tensor, ones_bar: torch.Tensor, has_bia
 
 
 class _LinearOfHeld(torch.autograd.Function):
-    """R1's value with the numbers of the model's own ``held·Wᵀ + b`` (equal up to rounding).
+    """R1's value with the numbers of the model's own ``x̄·Wᵀ + b`` (``Held.result``, equal up to
+    rounding).
 
-    With a held forward (a total parameter gradient through smooth multipliers) the
-    model's linear runs on the held values anyway; the linearized value needs only its
-    backward, ``dX = dY·W`` (``omenn::linear_input_grad``, which differentiates again) and
-    ``dŌ = dY·b``, so its own product is not computed. ``W`` and ``b`` get their
-    gradient through the held output and through that backward.
+    Where the held pass is the model's forward (a total parameter gradient) the model's
+    linear has run already; the linearized value needs only its backward, ``dX = dY·W``
+    (``omenn::linear_input_grad``, which differentiates again) and ``dŌ = dY·b``, so its own
+    product is not computed. ``W`` and ``b`` get their gradient through the model's output
+    and through that backward.
     """
 
     @staticmethod
@@ -198,8 +199,9 @@ class _LinearOfHeld(torch.autograd.Function):
         return linear_input_grad(grad, weight, *ctx.receiving), grad_ones_bar, None, None, None, None
 
 
-def _fused(op, *args, receiving: tuple[int, int] | None = None, value_gradient: bool = False, **kwargs):
-    """R1 through ``omenn::linear_ones``; from the held output where there is one
+def _fused(op, *args, held: Held, receiving: tuple[int, int] | None = None, value_gradient: bool = False,
+           **kwargs):
+    """R1 through ``omenn::linear_ones``; from the model's result where the executor gives it
     (:class:`_LinearOfHeld`). The backward multiplies only the ``receiving`` block of output
     features (see :class:`~omenn_kernels.linearize.registry.Rule`); without a bias it does
     no ones work."""
@@ -208,9 +210,8 @@ def _fused(op, *args, receiving: tuple[int, int] | None = None, value_gradient: 
     ones_bar = x.ones.mean(-1, keepdim=True)
     if bias is not None and fills_padding(ones_bar):
         return None
-    if x.held is not None:
-        held = F.linear(x.held, weight, bias)
-        return Live(_LinearOfHeld.apply(x.value, ones_bar, weight, bias, held, block), ones_bar, held)
+    if held.result is not None:
+        return Live(_LinearOfHeld.apply(x.value, ones_bar, weight, bias, held.result, block), ones_bar)
     ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
     value, ones_bar = linear_ones(x.value, ones, weight, bias, *block)
     if value_gradient:  # the weight's and bias's gradient on a node of its own (Rule.fused_differentiable)

@@ -3,7 +3,7 @@
 Not a test module. Every bias, norm affine, norm statistic, token and positional
 embedding is random and non-zero. The CNN and the ViT are smooth in the parameters;
 the ReLU CNN has ReLU and max pooling, whose multipliers are piecewise constant (it
-explains without a held forward): finite differences hold there away from the kinks,
+explains without the model's forward as its held pass): finite differences hold there away from the kinks,
 and its random inputs and parameters are nowhere within a step of one.
 """
 

@@ -6,7 +6,7 @@ compiled as one graph per signature.
   is not called); both with the reference's values and parameter gradients (float64, rtol 1e-9) for
   both kinds of parameter gradient, on every small family: smooth CNN, ViT, and the ReLU
   CNN, whose fused eager path takes its logits' gradient from parameter paths that a
-  trace cannot record (the compiled one runs the held forward instead).
+  trace cannot record (the compiled one runs the model's forward as the held pass instead).
 * Most tests compile with the traced graph itself (``COMPILER`` swapped); one compiles
   with Inductor.
 * The loss functions on ``backend="compiled"`` give the parameters the gradient of
@@ -104,7 +104,7 @@ def test_the_differentiable_graph_keeps_the_convolutions_input_gradient_an_op(tr
     gradient for the weight), not aten's double backward of a convolution (a convolution over
     the batch); a first-order graph traces it as aten. Max pooling's arg-max is an op in both
     (in a first-order graph its C++ op; the default ``total`` gradient also runs the model's own
-    pooling, in the held forward)."""
+    pooling, in the held pass)."""
     model, x = MODELS["relu_cnn"]()
     explainer = Explainer(model, backend="compiled")
     for create_graph in (True, False):
@@ -116,7 +116,7 @@ def test_the_differentiable_graph_keeps_the_convolutions_input_gradient_an_op(tr
         differentiable = key[-1] is not None
         assert ("omenn.conv2d_input_grad.default" in called) == differentiable, key
         assert ("omenn.max_pool_indices.default" if differentiable else "omenn.max_pool_indices_cpu.default") in called
-        # The model's own pooling runs only in the held forward (the total parameter gradient).
+        # The model's own pooling runs only in the held pass (the total parameter gradient).
         assert ("aten.max_pool2d_with_indices.default" in called) == differentiable
 
 

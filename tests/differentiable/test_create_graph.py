@@ -159,7 +159,7 @@ def test_fallback_warns_where_the_fused_op_would_run(monkeypatch):
 
 
 def test_fused_backward_runs_once_per_explanation_and_parameter_path_only_for_logits(monkeypatch):
-    """ReLU CNN, total gradient (no held forward, so the linearized logits are the model's):
+    """ReLU CNN, total gradient (the held pass is not the model's forward, so the linearized logits are the model's):
 
     * the explanation's backward runs each convolution's fused input gradient once, and the
       attribution loss's backward does not run it again (nothing sends gradients into the
@@ -217,28 +217,27 @@ def test_frozen_model_explains_with_create_graph():
     torch.testing.assert_close(explanation.contribution.sum((1, 2)), explanation.logit, rtol=1e-10, atol=0)
 
 
-@pytest.mark.parametrize("family, held_forward", [("relu_cnn", False), ("cnn", True), ("vit", True)])
-def test_held_forward_only_where_multipliers_follow_it(monkeypatch, family, held_forward):
-    """The held forward runs each LIVE op on plain values; it is skipped for piecewise-constant
-    multipliers, whose total gradient is then the fixed-multiplier one."""
+@pytest.mark.parametrize("family, model_forward", [("relu_cnn", False), ("cnn", True), ("vit", True)])
+def test_model_forward_only_where_multipliers_follow_it(monkeypatch, family, model_forward):
+    """The held pass is the model's forward; it is skipped for piecewise-constant multipliers,
+    whose total gradient is then the fixed-multiplier one."""
     model, x = MODELS[family]()
     explainer = Explainer(model)
-    assert explainer.program(x)[0].multipliers_follow_held == held_forward
-    held_inputs = []
-    real_attach = executor._attach_held
-    monkeypatch.setattr(executor, "_attach_held",
-                        lambda result, held: held_inputs.append(1) or real_attach(result, held))
+    assert explainer.program(x)[0].multipliers_follow_held == model_forward
+    held_passes = []
+    real_pass = executor.held_pass
+    monkeypatch.setattr(executor, "held_pass", lambda *args: held_passes.append(1) or real_pass(*args))
     params = list(model.parameters())
     total = _gradients(explainer(x, TARGET, create_graph=True), params, logits=False)
-    assert bool(held_inputs) == held_forward
-    if not held_forward:
+    assert bool(held_passes) == model_forward
+    if not model_forward:
         fixed = _gradients(explainer(x, TARGET, create_graph=True, parameter_gradient="fixed_multipliers"), params)
         for actual, expected in zip(total, fixed):
             _assert_close(actual, expected, RTOL_SAME)
 
 
 def test_fused_value_gradient_without_biases():
-    """Bias-free convolution and linear head, ReLU and max pooling (no held forward): the
+    """Bias-free convolution and linear head, ReLU and max pooling (no model forward as the held pass): the
     fused values' parameter gradient (weights only) gives the logits the model's own gradient."""
     torch.manual_seed(5)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from omenn_kernels import Explainer, explain
 from omenn_kernels.linearize.rules import attention
 from omenn_kernels.linearize.rules.attention import attended, attention_weights
-from omenn_kernels.linearize.values import Gate, Live
+from omenn_kernels.linearize.values import Gate, Held, Live
 from rule_checks import (ATOL, DT, SqueezeExcite, assert_complete, assert_sums_to_logit, rand, randomize,
                          tokens)
 
@@ -337,45 +337,45 @@ def test_silu_written_as_gate_equals_silu():
     assert_sums_to_logit(e2, silu, x, 0, rtol=1e-10)
 
 
-def test_attended_with_held_values_takes_their_product_and_differentiates_as_without():
-    """With held values (total parameter gradient) ``A·V``'s value is the model's ``A·held``,
-    not a second T×T product; its derivatives, first and second order (through ``A`` and
-    the held values), are those of the product itself (rtol 1e-12)."""
+def test_attended_with_a_product_takes_its_numbers_and_differentiates_as_without():
+    """Given the model's ``A·V̄`` (``Held.result``: a total parameter gradient) ``A·V``'s value is
+    its numbers, not a second T×T product; its derivatives, first and second order (through ``A``
+    and the held values), are those of the product itself (rtol 1e-12)."""
     g = torch.Generator().manual_seed(17)
     scores = torch.randn(2, 5, 5, generator=g, dtype=DT).requires_grad_(True)
     values0 = torch.randn(2, 5, 3, generator=g, dtype=DT)
     held_scale = torch.ones((), dtype=DT, requires_grad=True)
     up, down, down_held = (torch.randn(2, 5, 3, generator=g, dtype=DT) for _ in range(3))
     results = []
-    for with_held in (True, False):
+    for with_product in (True, False):
         weights = torch.softmax(scores, -1)
         values = values0.clone().requires_grad_(True)
-        held = values0 * held_scale
-        out = attended(weights, Live(values, torch.ones(2, 5, 1, dtype=DT), held if with_held else None))
-        if with_held:
-            assert torch.equal(out.value, out.held)
-        else:
-            out.held = torch.matmul(weights, held)
+        product = torch.matmul(weights, values0 * held_scale)
+        out = attended(weights, Live(values, torch.ones(2, 5, 1, dtype=DT)),
+                       product=product if with_product else None)
+        if with_product:
+            assert torch.equal(out.value, product)
         (grad_values,) = torch.autograd.grad((out.value * up).sum(), values, create_graph=True)
-        second = (grad_values * down).sum() + (out.held * down_held).sum()
-        results.append((out.value, out.held, grad_values, *torch.autograd.grad(second, [scores, held_scale])))
-    for held, without in zip(*results):
-        torch.testing.assert_close(held, without, rtol=1e-12, atol=1e-12)
+        second = (grad_values * down).sum() + (product * down_held).sum()
+        results.append((out.value, grad_values, *torch.autograd.grad(second, [scores, held_scale])))
+    for with_product, without in zip(*results):
+        torch.testing.assert_close(with_product, without, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("chunk_bytes", [450, 1 << 20], ids=["chunks_of_two_heads", "one_chunk"])
+def _held_sdpa(query, key, values, result=None) -> Held:
+    """What the executor gives the SDPA rule: its arguments' held values (no mask, no dropout)."""
+    return Held([query, key, values, None, 0.0, False, None, False], result)
+
+
 @pytest.mark.parametrize("readouts", [1, 2])
 @pytest.mark.parametrize("terms", ["both", "explanation", "held"])
-def test_sdpa_with_held_values_equals_the_weights_written_out_to_second_order(monkeypatch, chunk_bytes,
-                                                                             readouts, terms):
+def test_sdpa_with_held_values_equals_the_weights_written_out_to_second_order(readouts, terms):
     """Self-attention with held Q, K, V that follow the parameters (a total parameter gradient)
-    runs the model's attention and the two backwards of ``A·V`` in chunks of heads, with
-    ``A``'s two gradients added before one softmax backward; against ``A`` written out with
-    autograd: the value and held numbers, the explanation's ``dV`` and the second-order
-    gradients with respect to Q, K and the held V (rtol 1e-12), for one read-out (``A``'s
-    gradient passed as factors) and two (passed as T×T), with the held output's gradient,
-    the explanation's, or both."""
-    monkeypatch.setattr(attention, "_CHUNK_BYTES", chunk_bytes)  # 5×5 float64 weights: 200 bytes a head
+    and the model's output given (``Held.result``): the rule takes its numbers and computes
+    ``A`` from the held Q and K; against ``A`` written out with autograd: the value, the
+    explanation's ``dV`` and the second-order gradients with respect to Q, K and the held V
+    (rtol 1e-12), for one read-out and two, with the model output's gradient, the
+    explanation's, or both."""
     g = torch.Generator().manual_seed(19)
     shape = (2, 3, 5, 4)  # 6 heads of 5 tokens
 
@@ -383,7 +383,7 @@ def test_sdpa_with_held_values_equals_the_weights_written_out_to_second_order(mo
         return torch.randn(*size, generator=g, dtype=DT)
 
     query, key, held = (randn(*shape).requires_grad_(True) for _ in range(3))
-    values0, ones = randn(*shape), torch.ones(2, 3, 5, 1, dtype=DT)
+    values0, ones = held.detach(), torch.ones(2, 3, 5, 1, dtype=DT)  # the held values' numbers
     ups, downs = [randn(*shape) for _ in range(readouts)], [randn(*shape) for _ in range(readouts)]
     down_held = randn(*shape)
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
@@ -391,21 +391,24 @@ def test_sdpa_with_held_values_equals_the_weights_written_out_to_second_order(mo
     for written_out in (False, True):
         values = values0.clone().requires_grad_(True)
         if written_out:
-            out = attended(attention_weights(query, key, None, False, None, False), Live(values, ones, held))
+            weights = attention_weights(query, key, None, False, None, False)
+            out, model_output = attended(weights, Live(values, ones)), torch.matmul(weights, held)
         else:
-            out = attention._sdpa(sdpa, Gate(query), Gate(key), Live(values, ones, held))
+            model_output = F.scaled_dot_product_attention(query, key, held)
+            out = attention._sdpa(sdpa, Gate(query), Gate(key), Live(values, ones),
+                                  held=_held_sdpa(query, key, held, model_output))
+            assert torch.equal(out.value, model_output)
         loss = 0.0
         if terms != "held":
             for up, down in zip(ups, downs):
                 (grad_values,) = torch.autograd.grad((out.value * up).sum(), values, create_graph=True)
                 loss = loss + (grad_values * down).sum()
         if terms != "explanation":
-            loss = loss + (out.held * down_held).sum()
-        results.append((out.value, out.held, *torch.autograd.grad(loss, [query, key, held], allow_unused=True,
-                                                                  materialize_grads=True)))
-    assert torch.equal(results[0][0], results[0][1])
-    for chunked, written in zip(*results):
-        torch.testing.assert_close(chunked, written, rtol=1e-12, atol=1e-12)
+            loss = loss + (model_output * down_held).sum()
+        results.append((out.value, *torch.autograd.grad(loss, [query, key, held], allow_unused=True,
+                                                        materialize_grads=True)))
+    for rule, written in zip(*results):
+        torch.testing.assert_close(rule, written, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("chunk_bytes", [450, 1 << 20], ids=["chunks_of_two_heads", "one_chunk"])
@@ -424,29 +427,11 @@ def test_sdpa_with_constant_weights_in_chunks_equals_the_weights_written_out(mon
         values = values0.clone().requires_grad_(True)
         live = Live(values, torch.ones(2, 3, 5, 1, dtype=DT))
         out = (attended(attention_weights(query, key, None, False, None, False), live) if written_out
-               else attention._sdpa(sdpa, Gate(query), Gate(key), live))
+               else attention._sdpa(sdpa, Gate(query), Gate(key), live, held=_held_sdpa(query, key, values0)))
         (grad_values,) = torch.autograd.grad((out.value * up * up_scale).sum(), values, create_graph=True)
         results.append((out.value, grad_values, *torch.autograd.grad((grad_values * down).sum(), up_scale)))
     for chunked, written in zip(*results):
         torch.testing.assert_close(chunked, written, rtol=1e-12, atol=1e-12)
-
-
-def test_third_derivative_through_held_attention_is_refused():
-    """The held attention's second-order backwards return A's gradient as factors: a third
-    differentiation would miss terms, so it raises instead."""
-    g = torch.Generator().manual_seed(29)
-    query, key, held = (torch.randn(1, 2, 4, 3, generator=g, dtype=DT).requires_grad_(True) for _ in range(3))
-
-    def second_order_loss() -> torch.Tensor:
-        values = held.detach().clone().requires_grad_(True)
-        out = attention._sdpa(torch.ops.aten.scaled_dot_product_attention.default, Gate(query), Gate(key),
-                              Live(values, torch.ones(1, 2, 4, 1, dtype=DT), held))
-        (grad_values,) = torch.autograd.grad(out.value.square().sum(), values, create_graph=True)
-        return grad_values.square().sum() + out.held.sum()
-
-    assert all(bool(torch.isfinite(d).all()) for d in torch.autograd.grad(second_order_loss(), [query, key]))
-    with pytest.raises(RuntimeError, match="differentiated twice, not three times"):
-        torch.autograd.grad(second_order_loss(), [query, key], create_graph=True)
 
 
 def _fully_masked_rows(form: str) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from omenn_kernels import UnsupportedOpError, explain
 from omenn_kernels.linearize import lookup
-from omenn_kernels.linearize.values import Live
+from omenn_kernels.linearize.values import Held, Live
 from rule_checks import ATOL, DT, RTOL, Headed, assert_sums_to_logit, rand, tokens
 
 aten = torch.ops.aten
@@ -201,9 +201,9 @@ def test_matmul_with_constant_vector():
 
 
 def test_fused_linear_with_a_held_output_takes_its_numbers_and_the_rule_derivatives():
-    """With a held forward (total parameter gradient) the fused rule's value is the model's
-    ``held·Wᵀ + b``, not a second product; its derivatives, first and second order, are the
-    reference rule's (rtol 1e-12)."""
+    """Given the model's ``x̄·Wᵀ + b`` (``Held.result``: a total parameter gradient) the fused
+    rule's value is its numbers, not a second product; its derivatives, first and second order,
+    are the reference rule's (rtol 1e-12)."""
     x0 = rand(2, 5, 4, seed=21)
     weight = rand(3, 4, seed=22).requires_grad_(True)
     bias = rand(3, seed=23).requires_grad_(True)
@@ -216,15 +216,14 @@ def test_fused_linear_with_a_held_output_takes_its_numbers_and_the_rule_derivati
         value = x0.clone().requires_grad_(True)
         ones = torch.ones(2, 5, 1, dtype=DT, requires_grad=True)
         held = x0 * held_scale
+        model_output = torch.nn.functional.linear(held, weight, bias)
+        run = rule.fused if fused else rule.reference
+        out = run(aten.linear.default, Live(value, ones), weight, bias,
+                  held=Held([held, weight, bias], model_output if fused else None))
         if fused:
-            out = rule.fused(aten.linear.default, Live(value, ones, held), weight, bias, value_gradient=False)
-            assert torch.equal(out.value, out.held)
-        else:
-            out = rule.reference(aten.linear.default, Live(value, ones), weight, bias)
-            out.held = torch.nn.functional.linear(held, weight, bias)  # as the executor attaches it
+            assert torch.equal(out.value, model_output)
         grad_x, grad_ones = torch.autograd.grad((out.value * up).sum(), [value, ones], create_graph=True)
-        second = (grad_x * down_x).sum() + (grad_ones * down_ones).sum() + (out.held * down_held).sum()
-        results.append((out.value, out.held, grad_x, grad_ones,
-                        *torch.autograd.grad(second, [weight, bias, held_scale])))
+        second = (grad_x * down_x).sum() + (grad_ones * down_ones).sum() + (model_output * down_held).sum()
+        results.append((out.value, grad_x, grad_ones, *torch.autograd.grad(second, [weight, bias, held_scale])))
     for fused, reference in zip(*results):
         torch.testing.assert_close(fused, reference, rtol=1e-12, atol=1e-12)

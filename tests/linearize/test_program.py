@@ -259,7 +259,7 @@ def test_a_forward_holds_a_value_only_until_its_last_read(released, monkeypatch)
         return run
 
     inputs = x.clone().requires_grad_(True)
-    output = executor.forward(program, model, inputs, x.new_ones(4, 1).requires_grad_(True), implementation)
+    output, _ = executor.forward(program, model, inputs, x.new_ones(4, 1).requires_grad_(True), implementation)
     assert output.value.shape == (4, 16) and len(results) == 2 * depth
     if released:
         assert alive_at_the_last_step == [depth]  # the saved linear outputs: activation outputs dropped

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..registry import Rule, arguments, register
-from ..values import Live, plain
+from ..values import Held, Live
 
 aten = torch.ops.aten
 
@@ -59,7 +59,7 @@ def multiplier(op, x: torch.Tensor, *rest) -> tuple[torch.Tensor, float]:
 
     ``op(x, *rest) == f(0) + x·ξ(x)`` elementwise (up to rounding). ``ξ`` follows ``x``'s
     autograd history: pass a value held constant with respect to the input
-    (:func:`~omenn_kernels.linearize.values.plain`).
+    (:class:`~omenn_kernels.linearize.values.Held`).
     """
     closed = CLOSED_FORM.get(op)
     if closed is not None:
@@ -69,10 +69,11 @@ def multiplier(op, x: torch.Tensor, *rest) -> tuple[torch.Tensor, float]:
     return torch.where(x == 0, torch.full_like(x, slope), quotient), offset
 
 
-def _activation(op, *args, **kwargs):
-    """R4: ``f(0)·O + x·ξ(x)`` with ``ξ`` held constant; the ones pass through."""
+def _activation(op, *args, held: Held | None = None, **kwargs):
+    """R4: ``f(0)·O + x·ξ(x̄)`` with ``x̄`` the held ``x``; the ones pass through. A piecewise-constant
+    ``ξ`` (no ``held``) is read from the value itself."""
     x, *rest = arguments(op, args, kwargs)
-    xi, offset = multiplier(op, plain(x), *rest)
+    xi, offset = multiplier(op, x.value.detach() if held is None else held.args[0], *rest)
     value = x.value * xi
     if offset != 0.0:
         value = value + offset * x.ones
@@ -82,11 +83,11 @@ def _activation(op, *args, **kwargs):
 # Piecewise-constant multipliers (0/1, or 1/slope): their derivative is zero, so they do not
 # change with the parameters.
 register([aten.relu, aten.leaky_relu, aten.hardshrink],
-         Rule("R4 elementwise activation", _activation, held_multipliers=False, multiplier_args=(0,)))
+         Rule("R4 elementwise activation", _activation, multiplier_args=(0,)))
 register([aten.gelu, aten.silu, aten.hardswish, aten.elu, aten.celu, aten.selu, aten.hardtanh,
           aten.relu6, aten.tanh, aten.softplus, aten.mish, aten.softshrink, aten.clamp.default,
           aten.clamp_min.default, aten.clamp_max.default, aten.log_sigmoid, aten.sin, aten.cos, aten.tan,
           aten.asin, aten.acos, aten.atan, aten.sinh, aten.cosh, aten.asinh, aten.atanh, aten.expm1, aten.log1p],
-         Rule("R4 elementwise activation", _activation, multiplier_args=(0,)))
+         Rule("R4 elementwise activation", _activation, multiplier_args=(0,), held="multipliers"))
 register([aten.sigmoid, aten.hardsigmoid],
-         Rule("R4 elementwise activation / R5 gate", _activation, may_gate=True))
+         Rule("R4 elementwise activation / R5 gate", _activation, may_gate=True, held="multipliers"))

@@ -106,16 +106,15 @@ def _neg(op, a):
 
 
 register([aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar],
-         Rule("R7 sum / R7' constant added", _add, held_multipliers=False))
-register([aten.rsub.Tensor, aten.rsub.Scalar], Rule("R7' constant minus LIVE", _rsub, held_multipliers=False))
+         Rule("R7 sum / R7' constant added", _add))
+register([aten.rsub.Tensor, aten.rsub.Scalar], Rule("R7' constant minus LIVE", _rsub))
 register([aten.mul.Tensor, aten.mul.Scalar],
-         Rule("R8 scaled by a constant or gate", _scale, factor_args=(0, 1), held_multipliers=False,
-              masked=Rule("R8' scaled by a mask", _masked, factor_args=(0, 1), held_multipliers=False)))
+         Rule("R8 scaled by a constant or gate", _scale, factor_args=(0, 1),
+              masked=Rule("R8' scaled by a mask", _masked, factor_args=(0, 1))))
 # An input-dependent divisor makes the quotient a held multiplier where it only scales (R5').
 register([aten.div.Tensor, aten.div.Scalar],
-         Rule("R8 divided by a constant or gate", _scale, factor_args=(1,), multiplier_args=(1,),
-              held_multipliers=False))
-register([aten.div.Tensor_mode, aten.div.Scalar_mode], Rule("R8 divided by a constant or gate", _div_rounding, held_multipliers=False))
-register([aten.neg], Rule("R8 scaled by -1", _neg, held_multipliers=False))
-register([aten.addcmul], Rule("R1' addcmul (R7' + R8)", _addcmul, factor_args=(1, 2), held_multipliers=False))
-register([aten.addcdiv], Rule("R1' addcdiv (R7' + R8)", _addcmul, factor_args=(2,), held_multipliers=False))
+         Rule("R8 divided by a constant or gate", _scale, factor_args=(1,), multiplier_args=(1,)))
+register([aten.div.Tensor_mode, aten.div.Scalar_mode], Rule("R8 divided by a constant or gate", _div_rounding))
+register([aten.neg], Rule("R8 scaled by -1", _neg))
+register([aten.addcmul], Rule("R1' addcmul (R7' + R8)", _addcmul, factor_args=(1, 2)))
+register([aten.addcdiv], Rule("R1' addcdiv (R7' + R8)", _addcmul, factor_args=(2,)))

@@ -11,12 +11,6 @@ R6': when the queries are not the value tokens (another token count) the ones of
 Fused op ``omenn::attention`` (R6): :mod:`omenn_kernels.ops.attention`. On the CPU,
 attention whose weights of all heads fit in one chunk (:data:`_CHUNK_BYTES`) keeps the
 reference form, which saves ``A`` instead of recomputing it.
-
-With held values that follow the parameters (a total parameter gradient, where an
-explanation inside a loss is differentiated twice), self-attention without a mask runs
-:class:`_HeldAttention`: the model's attention on the held values, whose numbers the
-linearized ``A·V`` takes, and one backward for both of ``A``'s gradients, in chunks of
-heads on the CPU. A third differentiation raises a clear error there.
 """
 
 from __future__ import annotations
@@ -28,7 +22,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, ones_from_values, plain, renormalized
+from ..values import Gate, Held, Live, ones_from_values, plain, renormalized
 
 aten = torch.ops.aten
 
@@ -44,9 +38,9 @@ class _WeightedSum(torch.autograd.Function):
     ``A`` is the contiguous ``dY·dV'ᵀ`` rather than a transposed product, which the
     softmax's backward would first copy.
 
-    ``product``: the same product computed already (from held values: the model's own
-    output; or in chunks of heads), whose numbers the result takes instead of multiplying
-    again; the backward reads only ``A``.
+    ``product``: the same product computed already (the model's own output, ``Held.result``;
+    or in chunks of heads), whose numbers the result takes instead of multiplying again;
+    the backward reads only ``A``.
     """
 
     @staticmethod
@@ -64,24 +58,21 @@ class _WeightedSum(torch.autograd.Function):
 
 
 def attended(weights: torch.Tensor, values: Live, queries_are_tokens: bool = True,
-             softmax_rows: bool = False) -> Live:
+             softmax_rows: bool = False, product: torch.Tensor | None = None) -> Live:
     """``A·V`` for constant attention weights ``A`` (…, Tq, Tk) and LIVE ``V`` (…, Tk, E).
 
     R6 (token identity) when the queries are the value tokens — computed from the
-    input and as many — else R6'. Where ``V`` has a held value the result gets
-    ``A·held``: the model's attention output from the weights already computed. The
-    value is then that product's numbers (equal up to rounding), not a second T×T product.
-    ``softmax_rows``: every row of ``A`` is a softmax (positive weights summing to 1), so
-    R6' ones have a zero only where ``V``'s have one.
+    input and as many — else R6'. ``product``: ``A·V`` computed already, whose numbers the
+    value takes (:class:`_WeightedSum`). ``softmax_rows``: every row of ``A`` is a softmax
+    (positive weights summing to 1), so R6' ones have a zero only where ``V``'s have one.
     """
-    held = None if values.held is None else torch.matmul(weights, values.held)
-    value = _WeightedSum.apply(weights, values.value, held)
+    value = _WeightedSum.apply(weights, values.value, product)
     if queries_are_tokens and weights.shape[-1] == weights.shape[-2]:
         ones = values.ones  # R6: token identity
     else:
         ones_from_values(values.ones if softmax_rows else None)
         ones = renormalized(torch.matmul(weights, values.ones))  # R6'
-    return Live(value, ones, held)
+    return Live(value, ones)
 
 
 _CHUNK_BYTES = 1 << 20  # on the CPU, T×T blocks of about this size stay in cache
@@ -117,131 +108,6 @@ def _weights_and_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return weights, out
 
 
-def _refuse_third_derivative() -> None:
-    """The backwards that end an explanation's second differentiation are not differentiable
-    again (``A``'s gradient arrives as factors, ``A`` itself without a graph): raise rather
-    than return a third derivative that misses terms."""
-    if torch.is_grad_enabled():  # a backward with create_graph=True
-        raise RuntimeError(
-            "omenn_kernels: an explanation differentiable with respect to the parameters "
-            "(create_graph=True, parameter_gradient='total') of a model with attention can be "
-            "differentiated twice, not three times; run the backward of a loss of the explanation "
-            "without create_graph=True")
-
-
-class _HeldAttention(torch.autograd.Function):
-    """The model's attention ``softmax(QKᵀ·s)·V`` on held values that follow the parameters
-    (a total parameter gradient), returning the weights ``A`` it computed as well.
-
-    ``A`` is returned without a gradient. The explanation's ``A·V`` (:class:`_LinkedWeightedSum`)
-    is differentiated twice: its ``A``-gradient ``dY·ddVᵀ`` comes back here through the
-    ``factors`` output as ``[dY; ddV]`` (or, after several backwards through it, as a
-    T×T gradient through ``dense``), so that with the held output's ``dH·Vᵀ`` it adds up
-    block by block, ``dA = dH·Vᵀ + dY·ddVᵀ``, before one softmax backward. On the CPU
-    the T×T products, the softmax and its backward run over chunks of heads whose blocks
-    stay in cache instead of passing over T×T tensors in memory (128 heads of 145 tokens,
-    1 thread: backward 21 → 8 ms with glibc's defaults, 14 → 9 ms with freed memory kept).
-    """
-
-    @staticmethod
-    def forward(ctx, query: torch.Tensor, key: torch.Tensor, values: torch.Tensor, scale: float):
-        q, k, v = _rows(query), _rows(key), _rows(values)
-        weights, out = _weights_and_product(q, k, v, scale)
-        batch, (tq, tk) = query.shape[:-2], weights.shape[-2:]
-        weights, out = weights.view(*batch, tq, tk), out.view(*batch, tq, v.shape[-1])
-        factors = query.new_zeros(()).expand(*batch, tq + tk, values.shape[-1])
-        dense = query.new_zeros(()).expand(*batch, tq, tk)
-        ctx.scale, ctx.shapes = scale, (query.shape, key.shape, values.shape)
-        # The rows (copies where the heads are strided views), not the inputs: never reshaped
-        # twice. This backward is not differentiated again (_refuse_third_derivative).
-        ctx.rows = q, k, v
-        ctx.save_for_backward(weights)
-        ctx.mark_non_differentiable(weights)
-        ctx.set_materialize_grads(False)
-        return weights, out, factors, dense
-
-    @staticmethod
-    def backward(ctx, _grad_weights, grad_out, grad_factors, grad_dense):
-        _refuse_third_derivative()
-        (weights,) = ctx.saved_tensors
-        if grad_out is None and grad_factors is None and grad_dense is None:
-            return None, None, None, None
-        (q, k, v), weights = ctx.rows, _rows(weights)
-        query_shape, key_shape, values_shape = ctx.shapes
-        heads, tq, tk = weights.shape
-        grad_out = None if grad_out is None else _rows(grad_out)
-        factors = [] if grad_factors is None else [(f[:, :tq], f[:, tq:]) for f in [_rows(grad_factors)]]
-        products = ([] if grad_out is None else [(grad_out, v)]) + factors  # dA = Σ left·rightᵀ
-        dense = None if grad_dense is None else _rows(grad_dense)
-        grad_q, grad_k = torch.empty_like(q), torch.empty_like(k)
-        grad_v = None if grad_out is None else torch.empty_like(v)
-        for rows in _head_chunks(heads, tq, tk, q):
-            a = weights[rows]
-            grad_a = dense[rows].clone() if dense is not None else None
-            for left, right in products:
-                if grad_a is None:
-                    grad_a = torch.matmul(left[rows], right[rows].transpose(-2, -1))
-                else:
-                    grad_a.baddbmm_(left[rows], right[rows].transpose(-2, -1))
-            grad_scores = a * (grad_a - (grad_a * a).sum(-1, keepdim=True))
-            grad_scores *= ctx.scale
-            torch.matmul(grad_scores, k[rows], out=grad_q[rows])
-            torch.matmul(grad_scores.transpose(-2, -1), q[rows], out=grad_k[rows])
-            if grad_v is not None:
-                torch.matmul(a.transpose(-2, -1), grad_out[rows], out=grad_v[rows])
-        return (grad_q.view(query_shape), grad_k.view(key_shape),
-                None if grad_v is None else grad_v.view(values_shape), None)
-
-
-class _LinkedWeightedSum(torch.autograd.Function):
-    """``A·V`` with the numbers of the held product, for the weights of :class:`_HeldAttention`:
-    its backward, ``dV = Aᵀ·dY`` (:class:`_TransposedWeightedSum`), sends ``A``'s second-order
-    gradient to the links. ``backwards`` counts the backwards through this node: the factors
-    of several (read-outs of one forward) would add up wrongly, so those send T×T gradients."""
-
-    @staticmethod
-    def forward(ctx, weights: torch.Tensor, values: torch.Tensor, held_product: torch.Tensor,
-                factors: torch.Tensor, dense: torch.Tensor, backwards: list[int]) -> torch.Tensor:
-        ctx.save_for_backward(weights, factors, dense)
-        ctx.backwards = backwards
-        return held_product.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        weights, factors, dense = ctx.saved_tensors
-        ctx.backwards[0] += 1
-        grad_values = _TransposedWeightedSum.apply(weights, grad, factors, dense, ctx.backwards)
-        return None, grad_values, None, None, None, None
-
-
-class _TransposedWeightedSum(torch.autograd.Function):
-    """``dV = Aᵀ·dY``, differentiated once more: ``d(dY) = A·ddV``, and ``A``'s gradient
-    ``dY·ddVᵀ`` as its factors ``[dY; ddV]`` (or as T×T, after several backwards)."""
-
-    @staticmethod
-    def forward(ctx, weights: torch.Tensor, grad: torch.Tensor, factors: torch.Tensor, dense: torch.Tensor,
-                backwards: list[int]) -> torch.Tensor:
-        ctx.save_for_backward(weights, grad)
-        ctx.backwards = backwards
-        return torch.matmul(grad.transpose(-2, -1), weights).transpose(-2, -1)
-
-    @staticmethod
-    def backward(ctx, grad_grad_values: torch.Tensor):
-        _refuse_third_derivative()
-        weights, grad = ctx.saved_tensors
-        grad_grad = torch.matmul(weights, grad_grad_values) if ctx.needs_input_grad[1] else None
-        if ctx.backwards[0] > 1:
-            return None, grad_grad, None, torch.matmul(grad, grad_grad_values.transpose(-2, -1)), None
-        return None, grad_grad, torch.cat([grad, grad_grad_values], -2), None, None
-
-
-def _attended_with_held(query: torch.Tensor, key: torch.Tensor, values: Live, scale: float) -> Live:
-    """R6 through :class:`_HeldAttention` (self-attention, no mask, held values)."""
-    weights, held, factors, dense = _HeldAttention.apply(query, key, values.held, scale)
-    value = _LinkedWeightedSum.apply(weights, values.value, held, factors, dense, [0])
-    return Live(value, values.ones, held)
-
-
 def attention_weights(query, key, mask, is_causal: bool, scale, enable_gqa: bool) -> torch.Tensor:
     """``softmax(QKᵀ·scale + mask)`` from plain (constant) tensors, as SDPA computes it: a query
     row whose every key is masked (a left-padded position under a causal mask) gets weights 0,
@@ -259,37 +125,35 @@ def attention_weights(query, key, mask, is_causal: bool, scale, enable_gqa: bool
     return aten._safe_softmax.default(scores, -1)
 
 
-def _sdpa(op, *args, **kwargs):
-    """R6 for ``scaled_dot_product_attention``: Q, K and the mask only feed the gate."""
+def _sdpa(op, *args, held: Held, **kwargs):
+    """R6 for ``scaled_dot_product_attention``: Q, K and the mask only feed the gate, whose
+    weights come from their held values."""
     query, key, value, mask, dropout, is_causal, scale, enable_gqa = arguments(op, args, kwargs)
     if dropout:
         raise RuleError("attention dropout is random", "R6 (eval-mode attention)")
     if not isinstance(value, Live):
         raise RuleError("the values of the attention do not depend on the input", "R6")
-    q, k = plain(query), plain(key)
+    q, k, mask = held.args[0], held.args[1], held.args[3]
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     if enable_gqa and value.value.shape[-3] != q.shape[-3]:
         repeat = q.shape[-3] // value.value.shape[-3]
         ones = value.ones if value.ones.shape[-3] == 1 else value.ones.repeat_interleave(repeat, dim=-3)
-        held = None if value.held is None else value.held.repeat_interleave(repeat, dim=-3)
-        value = Live(value.value.repeat_interleave(repeat, dim=-3), ones, held)
+        value = Live(value.value.repeat_interleave(repeat, dim=-3), ones)
     queries_are_tokens = isinstance(query, (Live, Gate))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if (mask is None and not is_causal and queries_are_tokens and q.shape[-2] == k.shape[-2]
-            and q.shape[:-2] == k.shape[:-2] == value.value.shape[:-2]
+            and q.shape[:-2] == k.shape[:-2] == value.value.shape[:-2] and held.result is None
+            and not q.requires_grad and not k.requires_grad  # constant weights: the product in chunks too
             and not torch.is_autocast_enabled(q.device.type)):  # chunks write into buffers of one dtype
-        if value.held is not None:
-            return _attended_with_held(q, k, value, scale)
-        if not q.requires_grad and not k.requires_grad:  # constant weights: the product in chunks too
-            with torch.no_grad():
-                weights, product = _weights_and_product(_rows(q), _rows(k), _rows(value.value), scale)
-            shape = q.shape[:-1]
-            value_out = _WeightedSum.apply(weights.view(*shape, k.shape[-2]), value.value,
-                                           product.view(*shape, value.value.shape[-1]))
-            return Live(value_out, value.ones)
+        with torch.no_grad():
+            weights, product = _weights_and_product(_rows(q), _rows(k), _rows(value.value), scale)
+        shape = q.shape[:-1]
+        value_out = _WeightedSum.apply(weights.view(*shape, k.shape[-2]), value.value,
+                                       product.view(*shape, value.value.shape[-1]))
+        return Live(value_out, value.ones)
     weights = attention_weights(q, k, mask, is_causal, scale, False)
-    return attended(weights, value, queries_are_tokens=queries_are_tokens, softmax_rows=True)
+    return attended(weights, value, queries_are_tokens, softmax_rows=True, product=held.result)
 
 
 def weights_fit_one_chunk(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -304,6 +168,6 @@ def _softmax_outside_gate(op, *args, **kwargs):
 
 
 register([aten.scaled_dot_product_attention],
-         Rule("R6 attention", _sdpa, gate_args=(0, 1, 3)))
+         Rule("R6 attention", _sdpa, gate_args=(0, 1, 3), held="multipliers"))
 register([aten.softmax, aten._softmax, aten._safe_softmax],
          Rule("R5 gate", _softmax_outside_gate, may_gate=True, live=False))

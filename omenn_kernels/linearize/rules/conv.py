@@ -100,4 +100,4 @@ def _conv(op, *args, **kwargs):
 
 
 register([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution],
-         Rule("R2 convolution", _conv, held_multipliers=False))
+         Rule("R2 convolution", _conv))

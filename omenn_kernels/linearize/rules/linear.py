@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Live, reached
+from ..values import Gate, Held, Live, reached
 from .attention import attended
 
 aten = torch.ops.aten
@@ -25,8 +25,9 @@ _TWO_LIVE = RuleError("both operands of the matrix product depend on the input a
                       "gate (softmax/sigmoid weights)", "R9 (a product of two LIVE tensors is unsupported)")
 
 
-def _linear(op, *args, receiving: tuple[int, int] | None = None, **kwargs):
-    """R1 for ``F.linear``: ``xWᵀ + b·Ō`` (autograd finds the receiving features itself)."""
+def _linear(op, *args, receiving: tuple[int, int] | None = None, held: Held | None = None, **kwargs):
+    """R1 for ``F.linear``: ``xWᵀ + b·Ō`` (autograd finds the receiving features itself). The
+    reference computes the product itself, whatever ``held.result`` gives (its fused form takes it)."""
     x, weight, bias = arguments(op, args, kwargs)
     if not isinstance(x, Live) or isinstance(weight, (Live, Gate)) or isinstance(bias, (Live, Gate)):
         raise RuleError("the weight or bias of a linear layer depends on the input",
@@ -143,16 +144,14 @@ def _gated_einsum(operands: list, subscripts: list[str], output: str, index: int
     to_gate = [gate.index(letter) for letter in order_gate]
     to_values = [letters.index(letter) for letter in order_values]
     ones = values.ones.expand(values.value.shape)
-    product = attended(weights.permute(to_gate), Live(values.value.permute(to_values), ones.permute(to_values),
-                                                       None if values.held is None else values.held.permute(to_values)))
+    product = attended(weights.permute(to_gate), Live(values.value.permute(to_values), ones.permute(to_values)))
     result = batch + query + feature
     back = [result.index(letter) for letter in output]
-    return Live(product.value.permute(back), product.ones.permute(back),
-                None if product.held is None else product.held.permute(back))
+    return Live(product.value.permute(back), product.ones.permute(back))
 
 
-register([aten.linear], Rule("R1 linear", _linear, held_multipliers=False, receiving=True))
+register([aten.linear], Rule("R1 linear", _linear, receiving=True, held="result"))
 register([aten.matmul, aten.mm, aten.bmm],
-         Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1), held_multipliers=False))
-register([aten.addmm], Rule("R1 linear", _addmm, held_multipliers=False))
-register([aten.einsum], Rule("R1' einsum / R6 attention", _einsum, factor_args=(1,), held_multipliers=False))
+         Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1)))
+register([aten.addmm], Rule("R1 linear", _addmm))
+register([aten.einsum], Rule("R1' einsum / R6 attention", _einsum, factor_args=(1,)))

@@ -34,7 +34,7 @@ register([aten.atan2, aten.fmod, aten.remainder],
          Rule("R5' held multiplier", None, multiplier_args=(0, 1)))
 register([aten.gt, aten.ge, aten.lt, aten.le, aten.eq, aten.ne, aten.logical_and, aten.logical_or,
           aten.logical_xor, aten.bitwise_and, aten.bitwise_or, aten.bitwise_xor],
-         Rule("R5' held mask (piecewise constant)", None, multiplier_args=(0, 1), held_multipliers=False))
+         Rule("R5' held mask (piecewise constant)", None, multiplier_args=(0, 1)))
 register([aten.logical_not, aten.bitwise_not, aten.isnan, aten.isinf, aten.sign, aten.floor, aten.ceil,
           aten.round, aten.trunc],
-         Rule("R5' held mask (piecewise constant)", None, multiplier_args=(0,), held_multipliers=False))
+         Rule("R5' held mask (piecewise constant)", None, multiplier_args=(0,)))

@@ -147,12 +147,12 @@ def _max_pool(op, *args, **kwargs):
 register([aten.adaptive_avg_pool1d, aten.adaptive_avg_pool2d, aten._adaptive_avg_pool2d,
           aten.adaptive_avg_pool3d, aten._adaptive_avg_pool3d, aten.avg_pool1d, aten.avg_pool2d,
           aten.avg_pool3d, aten.mean.dim, aten.mean.default, aten.sum.dim_IntList,
-          aten.sum.default], Rule("R13 average pooling / mean", _pooled, held_multipliers=False))
+          aten.sum.default], Rule("R13 average pooling / mean", _pooled))
 register([aten.max_pool1d, aten.max_pool2d, aten.max_pool3d, aten.max_pool2d_with_indices,
-          aten.max_pool3d_with_indices], Rule("R13' max pooling", _max_pool, held_multipliers=False))
+          aten.max_pool3d_with_indices], Rule("R13' max pooling", _max_pool))
 register([aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
           aten.upsample_bilinear2d, aten.upsample_bicubic2d, aten.upsample_linear1d,
           aten.upsample_trilinear3d, aten._upsample_bilinear2d_aa, aten._upsample_nearest_exact2d,
           aten.grid_sampler_2d, aten.grid_sampler_3d],
-         Rule("R14 interpolation", _pooled, held_multipliers=False))
-register([aten.cumsum, aten.col2im], Rule("R1' sums along the input (R13)", _pooled, held_multipliers=False))
+         Rule("R14 interpolation", _pooled))
+register([aten.cumsum, aten.col2im], Rule("R1' sums along the input (R13)", _pooled))

@@ -172,17 +172,17 @@ def _written(op, *args, **kwargs):
 
 
 register([aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar],
-         Rule("R1' where (CONST or held condition)", _where, factor_args=(0,), held_multipliers=False))
+         Rule("R1' where (CONST or held condition)", _where, factor_args=(0,)))
 register([aten.masked_fill.Scalar, aten.masked_fill.Tensor],
-         Rule("R1' masked_fill (CONST or held mask)", _masked_fill, factor_args=(1,), held_multipliers=False))
+         Rule("R1' masked_fill (CONST or held mask)", _masked_fill, factor_args=(1,)))
 register([aten.maximum.default, aten.minimum.default],
-         Rule("R1' maximum/minimum (choice held)", _extremum, held_multipliers=False))
+         Rule("R1' maximum/minimum (choice held)", _extremum))
 register([aten.clamp.Tensor, aten.clamp_min.Tensor, aten.clamp_max.Tensor],
-         Rule("R1' clamp with tensor bounds (choices held)", _clamp, held_multipliers=False))
+         Rule("R1' clamp with tensor bounds (choices held)", _clamp))
 register([aten.amax, aten.amin, aten.max.dim, aten.min.dim, aten.max.default, aten.min.default],
          Rule("R1' held selection (arg-max)", _reduced_extremum, multiplier_args=(0,)))
 register([aten.sort.default, aten.topk.default],
-         Rule("R1' held selection (order)", _ordered, held_multipliers=False))
+         Rule("R1' held selection (order)", _ordered))
 def _copied(op, *args, **kwargs):
     """``copy(target, source)``: the source, broadcast to the target's shape and cast to its dtype."""
     target, source = arguments(op, args, kwargs)[:2]
@@ -193,5 +193,5 @@ def _copied(op, *args, **kwargs):
     return Live(source.value.to(reference.dtype).expand(reference.shape), source.ones)
 
 
-register([aten.copy.default], Rule("R1' copy (R10)", _copied, held_multipliers=False))
-register(list(_WRITES), Rule("R1' write with CONST indices", _written, held_multipliers=False))
+register([aten.copy.default], Rule("R1' copy (R10)", _copied))
+register(list(_WRITES), Rule("R1' write with CONST indices", _written))

@@ -127,13 +127,12 @@ def _swap(obj: Any, field: str) -> Any:
     return obj
 
 
-def _pair(value: Any, ones: Any, held: Any) -> Any:
-    """Zip results computed on values, on ones and on held values (or None) into Live values."""
+def _pair(value: Any, ones: Any) -> Any:
+    """Zip results computed on values and on ones into Live values."""
     if isinstance(value, torch.Tensor):
-        return Live(value, ones, held)
+        return Live(value, ones)
     if isinstance(value, (list, tuple)):
-        helds = held if held is not None else [None] * len(value)
-        return type(value)(_pair(v, o, h) for v, o, h in zip(value, ones, helds))
+        return type(value)(_pair(v, o) for v, o in zip(value, ones))
     return value
 
 
@@ -148,12 +147,10 @@ def same_on_ones(op, *args, **kwargs):
         raise RuleError("an input-dependent tensor is used as an index or shape",
                         "R10 with CONST indices")
     # The graph is functional, so a view may copy: rule outputs need not have the
-    # original strides, which `view` requires. Held values are restructured here for
-    # the same reason.
+    # original strides, which `view` requires.
     op = _RESHAPE_FOR_VIEW.get(op, op)
     value = op(args[0].value, *args[1:], **kwargs)
-    held = None if args[0].held is None else op(args[0].held, *args[1:], **kwargs)
-    return _pair(value, _ones_of_structure(op, args, kwargs, args[0].value, value), held)
+    return _pair(value, _ones_of_structure(op, args, kwargs, args[0].value, value))
 
 
 def _getitem(op, sequence, index):
@@ -242,18 +239,17 @@ STRUCTURE_OPS = [
     aten.reflection_pad1d, aten.reflection_pad2d, aten.reflection_pad3d, aten.replication_pad1d,
     aten.replication_pad2d, aten.replication_pad3d, aten.im2col,
 ]
-register(STRUCTURE_OPS, Rule("R10 structure", same_on_ones, transparent=True, held_multipliers=False))
+register(STRUCTURE_OPS, Rule("R10 structure", same_on_ones, transparent=True))
 register([aten.dropout, aten.feature_dropout, aten.alpha_dropout],
-         Rule("R10 eval-mode dropout (identity)", _eval_dropout, transparent=True,
-              held_multipliers=False))
+         Rule("R10 eval-mode dropout (identity)", _eval_dropout, transparent=True))
 register([aten.zeros_like, aten.ones_like, aten.empty_like, aten.full_like, aten.new_zeros,
           aten.new_ones, aten.new_empty, aten.new_full, aten.sym_size, aten.sym_numel, aten.sym_stride,
           aten.sym_storage_offset, aten.sym_is_contiguous, aten.fill.Scalar],
          Rule("shape only (CONST)", None, shape_only=True))
 register([aten._assert_tensor_metadata],
-         Rule("R10 metadata check", _metadata_check, transparent=True, held_multipliers=False))
-register([operator.getitem], Rule("R10 structure", _getitem, transparent=True, held_multipliers=False))
+         Rule("R10 metadata check", _metadata_check, transparent=True))
+register([operator.getitem], Rule("R10 structure", _getitem, transparent=True))
 register([aten.pad, aten.constant_pad_nd],
-         Rule("R11 zero padding", _zero_pad, transparent=True, held_multipliers=False))
+         Rule("R11 zero padding", _zero_pad, transparent=True))
 register([aten.cat, aten.stack, aten.concat, aten.concatenate],
-         Rule("R10/R12 join", _join, transparent=True, held_multipliers=False))
+         Rule("R10/R12 join", _join, transparent=True))
