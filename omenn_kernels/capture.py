@@ -509,3 +509,15 @@ def module_path(node: torch.fx.Node) -> str:
         return ""
     path = paths[-1].replace("L['self'].", "").replace("L['self']", "")
     return "" if path == _PREFIX.rstrip(".") else path.removeprefix(_PREFIX)
+
+
+# A captured graph is functional: a view there may copy, as it must on tensors whose strides
+# differ from the capture's (channels-last images).
+_COPYING_VIEWS = {torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+                  torch.ops.aten._unsafe_view.default: torch.ops.aten.reshape.default}
+
+
+def functional(op: Callable) -> Callable:
+    """The operation to run for a captured graph's node ``op`` on tensors of any strides: a view
+    as a reshape."""
+    return _COPYING_VIEWS.get(op, op)

@@ -37,10 +37,8 @@ graph kept: the traced graph computes ``C_w(θ)``, ``C_b(θ)`` with the paramete
 require a gradient as graph inputs, and the compiler differentiates that graph again
 (Inductor through AOTAutograd: one compiled forward and one compiled backward per
 signature), so that a loss of the explanation sends its gradient to the parameters.
-The trace records an autograd function's forward but not its backward, so the logits'
-parameter gradient comes from the model's own forward as the held pass (the
-``model_forward`` of :func:`~omenn_kernels.backends.fused.explain_batch`), never from the
-fused ops' parameter paths.
+The logits' parameter gradient comes from the model's own forward, the held pass of a
+total parameter gradient (:mod:`~omenn_kernels.backends.executor`).
 The signature then also holds the parameter gradient's kind and which parameters
 require a gradient. Its check at compile time also compares the parameter gradient of
 a random projection of the explanation with the fused backend's.
@@ -323,7 +321,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         # The trained parameters (inputs[head:]) are the model's own tensors: the trace reads
         # them through the model and records them as these inputs.
         weight, bias, logit, target, logits = fused.explain_batch(
-            program, model, inputs[0], readout.with_tensors(inputs[1:head]), parameter_gradient, model_forward=True)
+            program, model, inputs[0], readout.with_tensors(inputs[1:head]), parameter_gradient)
         if differentiable:
             return weight, bias, logit, target, logits
         return weight.detach(), bias.detach(), logit.detach(), target, logits.detach()

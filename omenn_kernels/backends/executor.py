@@ -3,7 +3,7 @@
 Shared by the backends, which differ in the shape of the input's ones channel and
 in the implementation they pick for each rule (reference math or a fused op).
 
-The held pass gives the values that multipliers are read from (``Held``). For a
+The held pass gives the values that multipliers are read from (``Rule.held_args``). For a
 first-order explanation they are the linearized values detached, read as the forward
 reaches them. Explanations differentiable with respect to the parameters
 (``parameter_gradient``) bind the parameters without detaching them and keep the
@@ -11,17 +11,15 @@ backward's graph. With ``"total"`` the held pass is the model's own forward of t
 detached input, run before the linearized one: the multipliers computed from it (and
 the gates, which it computes) are constant with respect to the input but follow the
 parameters, so the gradient of ``C`` with respect to the parameters is its total
-derivative, and the logits are the model's own. A program whose multipliers are all
-piecewise constant (ReLU, max pooling, eval-mode BatchNorm: no gate and no rule that
-reads held multipliers) skips that pass: its multipliers do not change with the
-parameters, so the total derivative is the one with them held. With
-``"fixed_multipliers"`` the multipliers stay detached from the parameters too, gates
-included: attention weights from query and key projections of their own, or a
-squeeze-excitation branch, are computed with the parameters and then detached.
+derivative, and the logits are the model's own. With ``"fixed_multipliers"`` the
+multipliers stay detached from the parameters too, gates included: attention weights
+from query and key projections of their own, or a squeeze-excitation branch, are
+computed with the parameters and then detached.
 
-``reuse_held_results``: rules that can (``Rule.held``) take the numbers of the model's
-result of their operation from the held pass instead of computing them again (a
-linear layer's product, attention's ``A·V``).
+``reuse_held_results``: where the held pass is the model's forward, rules that can
+(``Rule.takes_model_result``) take the numbers of the model's result of their operation
+from it instead of computing them again (a fused convolution or linear layer, attention's
+``A·V``).
 """
 
 from __future__ import annotations
@@ -31,11 +29,11 @@ from typing import Callable, Literal, NamedTuple
 
 import torch
 
-from ..capture import bound_tensors
+from ..capture import bound_tensors, functional
 from ..errors import UnsupportedOpError
 from ..linearize.program import Kind, LinearizedProgram, Step
 from ..linearize.registry import Rule, RuleError, arguments, op_name, unsupported
-from ..linearize.values import Gate, Held, Live, contains, ones_checks, plain
+from ..linearize.values import Gate, Live, contains, ones_checks, plain
 from ..readout import Readout
 
 Implementation = Callable[[Rule], Callable]
@@ -92,36 +90,36 @@ class _Detached:
         return None
 
 
-def runs_model_forward(program: LinearizedProgram, parameter_gradient: ParameterGradient | None,
-                       model_forward: bool = False) -> bool:
-    """Whether the held pass is the model's own forward: for a total parameter gradient where a
-    multiplier follows the held values (``program.multipliers_follow_held``), or always with
-    ``model_forward``."""
-    return parameter_gradient == "total" and (model_forward or program.multipliers_follow_held)
-
-
-def held_pass(program: LinearizedProgram, env: dict, x: torch.Tensor) -> dict:
+def held_pass(program: LinearizedProgram, env: dict, x: torch.Tensor, reuse_results: bool = False
+              ) -> tuple[dict, dict]:
     """The model's own forward of ``x`` detached, every node's result by name; ``env`` binds the
-    parameters and buffers (not detached)."""
-    held = dict(env)
+    parameters and buffers (not detached). With ``reuse_results`` also, by name, what each rule
+    that takes the model's result gets (``Rule.takes_model_result``): the node's result, or what
+    the rule's ``model_form`` returns with it."""
+    held, results = dict(env), {}
     held[program.captured.input_name] = x.detach()
     for step in program.steps:
         node = step.node
-        held[node.name] = node.target(*_lookup_env(held, node.args), **_lookup_env(held, node.kwargs))
-    return held
+        args, kwargs = _lookup_env(held, node.args), _lookup_env(held, node.kwargs)
+        reused = reuse_results and step.kind is Kind.LIVE and step.rule.takes_model_result
+        if reused and step.rule.model_form is not None:
+            held[node.name], results[node.name] = step.rule.model_form(*args, **kwargs)
+        else:
+            held[node.name] = functional(node.target)(*args, **kwargs)
+            if reused:
+                results[node.name] = held[node.name]
+    return held, results
 
 
 def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
             ones: torch.Tensor, implementation: Implementation,
-            parameter_gradient: ParameterGradient | None = None, model_forward: bool = False,
+            parameter_gradient: ParameterGradient | None = None,
             reuse_held_results: bool = False) -> tuple[Live, torch.Tensor | None]:
     """Run the linearized program on ``(x, ones)``: the LIVE model output, and the model's own
-    output from the held pass where that is the model's forward (else None).
+    output where the held pass is the model's forward (else None).
 
     ``implementation(rule)`` picks the function that runs each LIVE rule. The held pass and
-    ``reuse_held_results`` are explained in the module's docstring; ``model_forward`` runs the
-    model's forward as the held pass with ``"total"`` also where the multipliers are all
-    piecewise constant.
+    ``reuse_held_results`` are explained in the module's docstring.
 
     Raises:
         UnsupportedOpError: a rule met operands it cannot linearize (e.g. a product of
@@ -129,8 +127,8 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     """
     captured = program.captured
     env: dict[str, object] = bound_tensors(captured, model, differentiable=parameter_gradient is not None)
-    held = held_pass(program, env, x) if runs_model_forward(program, parameter_gradient, model_forward) \
-        else _Detached(env)
+    held, results = held_pass(program, env, x, reuse_held_results) if parameter_gradient == "total" \
+        else (_Detached(env), {})
     env[captured.input_name] = Live(x, ones)
     model_output = held[captured.output_name] if isinstance(held, dict) else None
     # The rules a forward runs, so the biases it meets, differ with the parameter gradient.
@@ -140,10 +138,10 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
         for step, released in zip(program.steps, program.released_after):
             node = step.node
             if step.kind is Kind.LIVE:
-                env[node.name] = _run_rule(step, implementation(step.rule), env, held, reuse_held_results)
+                env[node.name] = _run_rule(step, implementation(step.rule), env, held, results.pop(node.name, None))
             else:  # may read only the shape of a LIVE argument
                 value = held[node.name] if node.name in held else \
-                    node.target(*_lookup_env(held, node.args), **_lookup_env(held, node.kwargs))
+                    functional(node.target)(*_lookup_env(held, node.args), **_lookup_env(held, node.kwargs))
                 # fixed multipliers: a gate computed with parameters ignores them
                 env[node.name] = value if step.kind is Kind.CONST else \
                     _as_gate(value, detached=parameter_gradient == "fixed_multipliers")
@@ -165,45 +163,40 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     return output, model_output
 
 
-def _run_rule(step: Step, rule: Callable, env: dict, held, reuse_held_results: bool):
-    """The result of a LIVE step's ``rule``, given its operands (and their held values where it reads them)."""
+def _run_rule(step: Step, rule: Callable, env: dict, held, model_result):
+    """The result of a LIVE step's ``rule``, given its operands (their held values where it reads
+    them, and the model's result where the held pass gives it)."""
     node = step.node
     args, kwargs = _lookup_env(env, node.args), _lookup_env(env, node.kwargs)
     if step.rule.receiving:
         kwargs["receiving"] = step.receiving
-    if step.rule.held:
-        result = held[node.name] if reuse_held_results and node.name in held else None
-        kwargs["held"] = Held(arguments(node.target, _lookup_env(held, node.args), _lookup_env(held, node.kwargs)),
-                              result)
+    if step.rule.held_args:
+        kwargs["held"] = [_lookup_env(held, arg) if index in step.rule.held_args else None
+                          for index, arg in enumerate(arguments(node.target, node.args, node.kwargs))]
+    if model_result is not None:
+        kwargs["model_result"] = model_result
     try:
         return rule(node.target, *args, **kwargs)
     except RuleError as error:
         raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
 
 
-def _model_logits(output: Live, model_output: torch.Tensor | None,
-                  parameter_gradient: ParameterGradient | None) -> torch.Tensor:
-    """The logits to return: the linearized forward's numbers, with the model's parameter gradient.
-
-    With ``"total"`` the held pass is the model's own function of the parameters; without
-    one (all multipliers piecewise constant) the linearized value is, since holding the
-    multipliers fixed changes nothing there. Otherwise the linearized value's gradient holds
-    the multipliers fixed, so it is never exposed. The numbers stay the linearized
-    forward's (equal up to rounding), so that first-order results do not change with
-    ``parameter_gradient``.
+def _model_logits(output: Live, model_output: torch.Tensor | None) -> torch.Tensor:
+    """The logits to return: the linearized forward's numbers, with the gradient of the model's own
+    output (``"total"``) or none (the linearized value's gradient holds the multipliers fixed, so
+    it is never exposed). The numbers stay the linearized forward's (equal up to rounding), so
+    that first-order results do not change with ``parameter_gradient``.
     """
     logits = output.value.detach()
-    if parameter_gradient != "total":
-        return logits
     if model_output is None:
-        return output.value
+        return logits
     return model_output + (logits - model_output).detach()
 
 
 def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
                  shared_ones: bool, implementation: Implementation,
                  parameter_gradient: ParameterGradient | None = None,
-                 model_forward: bool = False, reuse_held_results: bool = False) -> BackendExplanation:
+                 reuse_held_results: bool = False) -> BackendExplanation:
     """The explanation of ``readout`` for the batch ``x``.
 
     The input's ones channel has one entry per element, or with ``shared_ones`` one per
@@ -215,7 +208,7 @@ def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Te
     With ``parameter_gradient`` (see the module's docstring) ``C_w`` and ``C_b`` are
     differentiable with respect to the model's parameters; so are ``ŷ`` and ``logits``
     with ``"total"`` (the model's own gradient), while with ``"fixed_multipliers"`` they
-    are detached. ``model_forward`` and ``reuse_held_results``: as in :func:`forward`.
+    are detached. ``reuse_held_results``: as in :func:`forward`.
     """
     keep_graph = parameter_gradient is not None
     with torch.inference_mode(False), torch.enable_grad():
@@ -226,7 +219,7 @@ def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Te
             ones_shape[feature] = 1
         ones = x.new_ones(ones_shape).requires_grad_(True)
         output, model_output = forward(program, model, inputs, ones, implementation, parameter_gradient,
-                                       model_forward, reuse_held_results)
+                                       reuse_held_results)
         target = readout.chosen(output.value)
         # The linearized ŷ, differentiated for C_w and C_b; the returned ŷ has the logits' parameter gradient.
         linear_readout = readout.value(output.value, target)
@@ -240,7 +233,7 @@ def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Te
                            for t in range(count)]
             weight = torch.stack([w for w, _ in per_readout], 1)
             bias = torch.stack([_per_position(o, feature) for _, o in per_readout], 1)
-        logits = _model_logits(output, model_output, parameter_gradient)
+        logits = _model_logits(output, model_output)
     return BackendExplanation(weight, bias, readout.value(logits, target), target, logits)
 
 

@@ -81,13 +81,6 @@ class LinearizedProgram:
             released[index].append(name)
         return tuple(tuple(names) for names in released)
 
-    @property
-    def multipliers_follow_held(self) -> bool:
-        """Whether a multiplier changes smoothly with held values: a gate, or a LIVE rule that
-        reads held multipliers (``Rule.held``)."""
-        return any(step.kind is Kind.GATE or (step.kind is Kind.LIVE and step.rule.held == "multipliers")
-                   for step in self.steps)
-
 
 def _positions(user: torch.fx.Node, node: torch.fx.Node) -> set[int]:
     """Schema positions at which ``node`` is an argument of ``user`` (nested lists included)."""

@@ -31,12 +31,6 @@ class Rule:
             applies and the reference math elsewhere; attached by :mod:`omenn_kernels.ops`
             (:func:`attach_fused`), so that no rule imports a kernel. None when the
             reference math is already the fast path.
-        fused_differentiable: the fused op also serves explanations differentiable with
-            respect to the parameters (``create_graph``): its backward is made of
-            differentiable operations on the parameters, and ``fused`` takes the keyword
-            ``value_gradient`` (whether the value must carry its own parameter gradient:
-            the linearized logits are then the model's). False: such explanations run
-            ``reference`` for this rule.
         factor_args: argument positions where a Gate/CONST operand only scales a
             LIVE operand (multiplications): a gate may end there.
         gate_args: argument positions consumed only through a gate (the query and
@@ -54,13 +48,21 @@ class Rule:
             use of its result is an error.
         shape_only: the result depends on the shape of its input, not its values
             (``zeros_like``): it is CONST.
-        held: what the rule reads from the executor's held pass, given as the keyword ``held``
-            (:class:`~omenn_kernels.linearize.values.Held`): ``"multipliers"``, multipliers that
-            change smoothly with its operands' held values (GELU's ``ξ``, LayerNorm's ``1/σ``,
-            attention weights), which a total parameter gradient must follow; ``"result"``, only
-            the model's result of the operation, whose numbers its value may take instead of
-            computing them again. Empty: the rule reads nothing held, or only piecewise-constant
-            multipliers (ReLU's 0/1, an arg-max), which it reads from its operands' values.
+        held_args: argument positions whose held values the rule reads, to compute multipliers
+            that change smoothly with them (GELU's ``ξ``, LayerNorm's ``1/σ``, attention
+            weights). ``reference`` and ``fused`` then take the keyword ``held``, the arguments in
+            schema order with None elsewhere, each LIVE one as its held value: the same
+            numbers, constant with respect to the input (the value detached, or for a total
+            parameter gradient the model's own forward, which still depends on the parameters).
+            Piecewise-constant multipliers (ReLU's 0/1, an arg-max) are read from the operands'
+            values: they do not change with the parameters.
+        takes_model_result: ``reference`` and ``fused`` take the keyword ``model_result``, the
+            model's own result of the operation, where the executor reuses it: its numbers
+            equal the rule's value up to rounding, so a fused form may take them instead of
+            computing them again.
+        model_form: the operation as the held pass runs it for a rule that takes its result: it
+            returns the result and what the rule gets as ``model_result`` (attention: its output
+            and weights). None: the operation itself, its result given.
         receiving: ``reference`` and ``fused`` take the keyword ``receiving``, the block
             ``(start, stop)`` of the result's last-dim features that can receive a
             gradient (None: all), which the graph walker decides once
@@ -73,7 +75,6 @@ class Rule:
     name: str
     reference: Callable[..., Any] | None
     fused: Callable[..., Any] | None = None
-    fused_differentiable: bool = False
     factor_args: tuple[int, ...] = ()
     gate_args: tuple[int, ...] = ()
     may_gate: bool = False
@@ -81,7 +82,9 @@ class Rule:
     transparent: bool = False
     live: bool = True
     shape_only: bool = False
-    held: str = ""
+    held_args: tuple[int, ...] = ()
+    takes_model_result: bool = False
+    model_form: Callable[..., Any] | None = None
     receiving: bool = False
     masked: Rule | None = None
 
@@ -107,17 +110,15 @@ def _overloads(ops: Iterable[OpKey]) -> list[OpKey]:
     return found
 
 
-def attach_fused(ops: Iterable[OpKey], fused_of: Callable[[Rule], Callable[..., Any]],
-                 differentiable: bool) -> None:
-    """Give the rules of ``ops`` their fused form ``fused_of(rule)`` (``Rule.fused``, with
-    ``Rule.fused_differentiable``)."""
+def attach_fused(ops: Iterable[OpKey], fused_of: Callable[[Rule], Callable[..., Any]]) -> None:
+    """Give the rules of ``ops`` their fused form ``fused_of(rule)`` (``Rule.fused``)."""
     attached: dict[int, Rule] = {}
     for op in _overloads(ops):
         rule = _RULES.get(op)
         if rule is None:  # an overload that no captured graph holds (out= variants)
             continue
         if id(rule) not in attached:
-            attached[id(rule)] = dataclasses.replace(rule, fused=fused_of(rule), fused_differentiable=differentiable)
+            attached[id(rule)] = dataclasses.replace(rule, fused=fused_of(rule))
         _RULES[op] = attached[id(rule)]
 
 

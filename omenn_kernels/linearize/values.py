@@ -3,7 +3,7 @@
 * ``Live``: computed from the input; carries its ones channel ``ones`` (the rule
   book's ``O``) next to its ``value``. Both take part in the backward pass.
   Multipliers (activation ``ξ``, ``1/σ``, attention weights) are computed from its
-  held value (:class:`Held`), which is constant with respect to the input.
+  held value: the same numbers, constant with respect to the input (``Rule.held_args``).
 * ``Gate``: computed from the input but held constant (R5): softmax attention
   weights, squeeze-excitation sigmoids and everything that only feeds them.
 * anything else (tensors, numbers, shapes): CONST — parameters, buffers, constants.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Iterator
 
 import torch
 
@@ -38,22 +38,6 @@ class Gate:
     """An input-dependent tensor that the linearization holds constant (R5)."""
 
     value: torch.Tensor
-
-
-class Held(NamedTuple):
-    """What a rule reads its multipliers from, given by the executor's held pass.
-
-    ``args``: the operation's arguments in schema order, each LIVE one as its held value:
-    the same numbers, constant with respect to the input. For a first-order explanation
-    that is the value detached; for a total parameter gradient it is the model's own
-    forward of the detached input, which still depends on the parameters, so that a
-    multiplier's change with the parameters is differentiated too. ``result``: the
-    model's own result of the operation on them, where the executor reuses it (its
-    numbers equal the linearized value's up to rounding), else None.
-    """
-
-    args: list
-    result: Any = None
 
 
 def full_ones(live: Live) -> torch.Tensor:
@@ -228,40 +212,3 @@ def ones_from_values(operand_ones: torch.Tensor | None) -> None:
         return
     if operand_ones is None or bool((operand_ones == 0).any()):
         checks.shape_decided = False
-
-
-class _ParameterPath(torch.autograd.Function):
-    """Zeros of a value's shape whose backward gives parameters that value's gradient."""
-
-    @staticmethod
-    def forward(ctx, gradients, shape, *parameters):
-        ctx.gradients = gradients
-        return parameters[0].new_zeros(()).expand(shape)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None, *ctx.gradients(grad)
-
-
-class _Joined(torch.autograd.Function):
-    """``value`` itself, its gradient passed on both to it and to a parameter path."""
-
-    @staticmethod
-    def forward(ctx, value, _parameter_path):
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, grad
-
-
-def with_parameter_gradient(value: torch.Tensor, parameters: tuple[torch.Tensor, ...],
-                            gradients: Callable[[torch.Tensor], tuple]) -> torch.Tensor:
-    """``value``, also differentiable with respect to ``parameters`` through ``gradients(grad)``.
-
-    A fused op's backward cannot tell which of its inputs the caller wants a gradient
-    for; the parameters' gradient on a node of its own is computed only where they are
-    asked for (the logits' gradient), not in an explanation's backward, which asks for
-    the input's and the ones' alone.
-    """
-    return _Joined.apply(value, _ParameterPath.apply(gradients, value.shape, *parameters))

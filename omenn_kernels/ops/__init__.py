@@ -79,25 +79,24 @@ def fills_padding(ones: torch.Tensor) -> bool:
     return reached(ones) is not ones
 
 
-def fuse(ops: Iterable, can_fuse: Callable[..., bool], run: Callable[..., Any], differentiable: bool) -> None:
+def fuse(ops: Iterable, can_fuse: Callable[..., bool], run: Callable[..., Any]) -> None:
     """Attach a fused op's form to the rules of the aten ``ops`` (``Rule.fused``).
 
-    ``can_fuse(op, *args, value_gradient, **kwargs)``: whether the op applies to these
-    operands (their kinds and shapes, a kernel for their device). ``run`` (the same
-    arguments): the rule's result through the op, or None where R11' fills padded positions
-    (:func:`fills_padding`). The rule's reference math runs wherever the op does not.
-    ``differentiable``: ``run`` also serves explanations differentiable with respect to the
-    parameters (``Rule.fused_differentiable``).
+    ``can_fuse(op, *args, **kwargs)``: whether the op applies to these operands (their kinds
+    and shapes, a kernel for their device). ``run`` (the same arguments): the rule's result
+    through the op, or None where R11' fills padded positions (:func:`fills_padding`). The
+    rule's reference math runs wherever the op does not. ``run``'s backward must differentiate
+    again: explanations differentiable with respect to the parameters run it too.
     """
     def fused_of(rule: Rule) -> Callable[..., Any]:
-        def fused(op, *args, value_gradient: bool = False, **kwargs):
-            if can_fuse(op, *args, value_gradient=value_gradient, **kwargs):
-                result = run(op, *args, value_gradient=value_gradient, **kwargs)
+        def fused(op, *args, **kwargs):
+            if can_fuse(op, *args, **kwargs):
+                result = run(op, *args, **kwargs)
                 if result is not None:
                     return result
             return rule.reference(op, *args, **kwargs)
         return fused
-    attach_fused(ops, fused_of, differentiable)
+    attach_fused(ops, fused_of)
 
 
 def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:

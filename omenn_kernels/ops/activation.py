@@ -24,7 +24,7 @@ from torch.library import triton_op
 
 from ..linearize.registry import arguments
 from ..linearize.rules.activation import multiplier
-from ..linearize.values import Held, Live
+from ..linearize.values import Live
 from ..native import define_cpu_op
 from . import fuse, kernels_available
 
@@ -120,16 +120,16 @@ def _activation_backward_grad(ctx, grad_grad):
 activation_backward.register_autograd(_activation_backward_grad, setup_context=_activation_backward_setup)
 
 
-def _can_fuse(op, *args, value_gradient: bool = False, held: Held | None = None, **kwargs) -> bool:
+def _can_fuse(op, *args, held: list | None = None, **kwargs) -> bool:
     x, *rest = arguments(op, args, kwargs)
     kind = fused_kind(op, rest)
-    return kind is not None and kernels_available(x.value) and (held is None or not held.args[0].requires_grad)
+    return kind is not None and kernels_available(x.value) and (held is None or not held[0].requires_grad)
 
 
-def _fused(op, *args, value_gradient: bool = False, **kwargs) -> Live:
+def _fused(op, *args, **kwargs) -> Live:
     """R4 through :func:`activation`: ``x·ξ(x)`` (every activation with a kernel has ``f(0) = 0``)."""
     x, *rest = arguments(op, args, kwargs)
     return Live(activation(x.value, *fused_kind(op, rest)), x.ones)
 
 
-fuse([aten.relu, aten.leaky_relu, aten.gelu, aten.silu, aten.hardswish], _can_fuse, _fused, differentiable=True)
+fuse([aten.relu, aten.leaky_relu, aten.gelu, aten.silu, aten.hardswish], _can_fuse, _fused)

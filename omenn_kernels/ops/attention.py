@@ -28,7 +28,7 @@ from torch.utils.flop_counter import (flop_registry, register_flop_formula, sdpa
 
 from ..linearize.registry import arguments
 from ..linearize.rules import attention as attention_rules
-from ..linearize.values import Gate, Held, Live
+from ..linearize.values import Gate, Live
 from ..native import define_cpu_op
 from . import fuse, kernels_available
 
@@ -183,24 +183,23 @@ def additive_mask(mask, is_causal: bool, tq: int, tk: int, like: torch.Tensor) -
     return bias
 
 
-def _can_fuse(op, *args, held: Held, value_gradient: bool = False, **kwargs) -> bool:
+def _can_fuse(op, *args, held: list, **kwargs) -> bool:
     """Self-attention over LIVE or gated queries, where a kernel exists; on the CPU only weights that
     do not fit in one chunk (smaller ones keep the reference form, which saves ``A`` instead of
     recomputing it). Weights that follow the parameters (held ``Q`` and ``K`` with a gradient: a
     total parameter gradient) run the reference: the op's ``dV`` differentiates again only with
     ``Q`` and ``K`` held."""
     query, key, value, _mask, dropout = arguments(op, args, kwargs)[:5]
-    q, k = held.args[0], held.args[1]
+    q, k = held[0], held[1]
     return (isinstance(value, Live) and isinstance(query, (Live, Gate)) and not dropout
             and kernels_available(value.value) and not q.requires_grad and not k.requires_grad
             and q.shape[-2] == k.shape[-2] and q.dim() == 4 and not attention_rules.weights_fit_one_chunk(q, k))
 
 
-def _fused(op, *args, held: Held, value_gradient: bool = False, **kwargs) -> Live:
-    """R6 through :func:`attention`. ``value_gradient`` is never set here: attention's multipliers
-    follow the held values (``Rule.held``), so a total gradient always runs the model's forward."""
+def _fused(op, *args, held: list, **kwargs) -> Live:
+    """R6 through :func:`attention`."""
     _query, _key, value, _mask, _dropout, is_causal, scale, enable_gqa = arguments(op, args, kwargs)
-    q, k, mask = held.args[0], held.args[1], held.args[3]
+    q, k, mask = held[0], held[1], held[3]
     v, ones = value.value, value.ones
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         repeat = q.shape[-3] // k.shape[-3]
@@ -214,4 +213,4 @@ def _fused(op, *args, held: Held, value_gradient: bool = False, **kwargs) -> Liv
     return Live(out, ones)
 
 
-fuse([torch.ops.aten.scaled_dot_product_attention], _can_fuse, _fused, differentiable=True)
+fuse([torch.ops.aten.scaled_dot_product_attention], _can_fuse, _fused)

@@ -19,7 +19,7 @@ import torch
 
 from ..linearize.registry import arguments
 from ..linearize.rules.norm import affine_of, channel_view
-from ..linearize.values import Live, with_parameter_gradient
+from ..linearize.values import Live
 from . import fills_padding, fuse
 
 
@@ -112,22 +112,13 @@ def _batch_norm_ones_grad(ctx, grad):
 batch_norm_ones.register_autograd(_batch_norm_ones_grad, setup_context=_batch_norm_ones_setup)
 
 
-def _affine_gradients(x: torch.Tensor):
-    reduced = [0, *range(2, x.dim())]
-    return lambda grad: ((grad * x).sum(reduced), grad.sum(reduced))
-
-
-def _fused(op, *args, value_gradient: bool = False, **kwargs):
+def _fused(op, *args, **kwargs):
     x, weight, bias, mean, var, _momentum, eps = arguments(op, args, kwargs)
     if fills_padding(x.ones):
         return None
     scale, shift = affine_of(weight, bias, mean, var, eps)
     empty = x.value.new_empty(0)
-    value = batch_norm_ones(x.value, x.ones, scale, shift)
-    if value_gradient:  # the gradient of s and b' on a node of its own (Rule.fused_differentiable)
-        value = with_parameter_gradient(value, (scale, shift), _affine_gradients(x.value.detach()))
-    return Live(value, x.ones), empty, empty
+    return Live(batch_norm_ones(x.value, x.ones, scale, shift), x.ones), empty, empty
 
 
-fuse([torch.ops.aten._native_batch_norm_legit_no_training], lambda op, *args, **kwargs: True, _fused,
-     differentiable=True)
+fuse([torch.ops.aten._native_batch_norm_legit_no_training], lambda op, *args, **kwargs: True, _fused)

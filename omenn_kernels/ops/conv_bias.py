@@ -36,7 +36,7 @@ from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
 from ..linearize.registry import arguments
 from ..linearize.rules.conv import cuts_patches, pair
-from ..linearize.values import Live, channel_rows, channels_last, with_parameter_gradient
+from ..linearize.values import Live, channel_rows, channels_last
 from ..native import define_cpu_op
 from . import constants, fills_padding, fuse, kernels_available
 
@@ -284,7 +284,7 @@ def _conv2d_ones_grad(ctx, grad, grad_ones):
 conv2d_ones.register_autograd(_conv2d_ones_grad, setup_context=_conv2d_ones_setup)
 
 
-def _can_fuse(op, *args, value_gradient: bool = False, **kwargs) -> bool:
+def _can_fuse(op, *args, **kwargs) -> bool:
     """2-D convolutions with ones shared per pixel (or per channel without groups) and constant
     weights, where a kernel exists."""
     x, weight, bias, _stride, padding, _dilation, groups = arguments(op, args, kwargs)
@@ -293,20 +293,25 @@ def _can_fuse(op, *args, value_gradient: bool = False, **kwargs) -> bool:
             and kernels_available(x.value) and not isinstance(padding, str) and constants(weight, bias))
 
 
-def _conv_parameter_gradients(x: torch.Tensor, weight: torch.Tensor, has_bias: bool, stride, padding,
-                              dilation, groups: int):
-    def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        grad_weight = weight_grad(grad, x, weight, stride, padding, dilation, groups)
-        return (grad_weight, grad.sum((0, 2, 3))) if has_bias else (grad_weight,)
-    return gradients
+class _ConvOfModel(torch.autograd.Function):
+    """:func:`conv2d_ones` with the numbers of the model's own convolution (``model_result``, equal
+    up to rounding) for its value, and the op's backward: where the held pass is the model's
+    forward (a total parameter gradient) the convolution has run already, so it is not
+    computed again. The kernel and bias get their gradient through the model's output."""
+
+    @staticmethod
+    def forward(ctx, x, ones, window_sum, weight, bias, stride, padding, dilation, groups, result):
+        _conv2d_ones_setup(ctx, (x, ones, window_sum, weight, bias, stride, padding, dilation, groups), None)
+        return result.detach(), (window_sum > 0).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad, grad_ones):
+        return *_conv2d_ones_grad(ctx, grad, grad_ones), None
 
 
-def _fused(op, *args, value_gradient: bool = False, **kwargs):
-    """R2 through ``omenn::conv2d_ones`` for 2-D convolutions with ones shared per pixel.
-
-    ``value_gradient`` (see :class:`Rule`): the value also carries the weight's and the
-    bias's gradient (``Ō`` is 1 wherever a bias is added), on a node of its own.
-    """
+def _fused(op, *args, model_result: torch.Tensor | None = None, **kwargs):
+    """R2 through ``omenn::conv2d_ones`` for 2-D convolutions with ones shared per pixel; its value
+    from the model's result where the executor gives it (:class:`_ConvOfModel`)."""
     x, weight, bias, stride, padding, dilation, groups = arguments(op, args, kwargs)
     stride, padding, dilation = pair(stride), pair(padding), pair(dilation)
     # Per-channel ones (after max pooling) enter summed over the channels: S counts them
@@ -317,13 +322,10 @@ def _fused(op, *args, value_gradient: bool = False, **kwargs):
     window_sum = F.conv2d(ones.detach(), window, None, stride, padding, dilation)
     if bias is not None and fills_padding(window_sum):
         return None
-    value, ones_out = conv2d_ones(x.value, ones, window_sum.float(), weight, bias, stride, padding,
-                                  dilation, groups)
-    if value_gradient:
-        value = with_parameter_gradient(value, (weight,) if bias is None else (weight, bias),
-                                        _conv_parameter_gradients(x.value.detach(), weight, bias is not None,
-                                                                  stride, padding, dilation, groups))
+    conv = conv2d_ones if model_result is None else \
+        lambda *operands: _ConvOfModel.apply(*operands, model_result)
+    value, ones_out = conv(x.value, ones, window_sum.float(), weight, bias, stride, padding, dilation, groups)
     return Live(value, ones_out)
 
 
-fuse([torch.ops.aten.conv2d], _can_fuse, _fused, differentiable=True)
+fuse([torch.ops.aten.conv2d], _can_fuse, _fused)

@@ -24,7 +24,7 @@ import torch
 
 from ..linearize.registry import arguments
 from ..linearize.rules.norm import as_op_result
-from ..linearize.values import Held, Live
+from ..linearize.values import Live
 from . import constants, fills_padding, fuse
 
 
@@ -70,14 +70,14 @@ def _layer_norm_ones_grad(ctx, grad, grad_ones_bar, _grad_inverse_scale):
 layer_norm_ones.register_autograd(_layer_norm_ones_grad, setup_context=_layer_norm_ones_setup)
 
 
-def _can_fuse(op, *args, held: Held, value_gradient: bool = False, **kwargs) -> bool:
+def _can_fuse(op, *args, held: list, **kwargs) -> bool:
     """One normalized dim, constant ``γ`` and ``β``, and ``1/σ`` held with respect to the parameters
-    too (a held value without a gradient and no value gradient: first-order or fixed multipliers)."""
+    too (a held value without a gradient: first-order or fixed multipliers)."""
     x, shape, weight, bias = arguments(op, args, kwargs)[:4]
-    return len(shape) == 1 and not held.args[0].requires_grad and not value_gradient and constants(weight, bias)
+    return len(shape) == 1 and not held[0].requires_grad and constants(weight, bias)
 
 
-def _fused(op, *args, value_gradient: bool = False, **kwargs):
+def _fused(op, *args, **kwargs):
     """R3' through ``omenn::layer_norm_ones`` over one normalized dim, where ``1/σ`` is held
     with respect to the parameters too (first-order or fixed multipliers)."""
     x, shape, weight, bias, eps = arguments(op, args, kwargs)[:5]
@@ -89,4 +89,4 @@ def _fused(op, *args, value_gradient: bool = False, **kwargs):
     return as_op_result(op, x, Live(value, ones_bar))
 
 
-fuse([torch.ops.aten.layer_norm, torch.ops.aten.native_layer_norm], _can_fuse, _fused, differentiable=True)
+fuse([torch.ops.aten.layer_norm, torch.ops.aten.native_layer_norm], _can_fuse, _fused)

@@ -9,9 +9,9 @@ shrinks to the value third, one of the three products a gradient computes there.
 features, so explanations differentiable with respect to the parameters run it too. Without
 a bias the backward does no ones work beyond passing on the ones' own gradient.
 
-Where the executor gives the model's own result (``Held.result``: a total parameter
+Where the executor gives the model's own result (``model_result``: a total parameter
 gradient, whose held pass is the model's forward) the value takes its numbers, and only
-that backward is the op's (:class:`_LinearOfHeld`).
+that backward is the op's (:class:`_LinearOfModel`).
 
 Kernels: aten's matrix products on every device; on the CPU the forward's calls are made
 from C++ (``omenn::linear_ones_cpu``, ``csrc/linear_ones.cpp``), which a compiled
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
 from ..linearize.registry import arguments
-from ..linearize.values import Held, Live, with_parameter_gradient
+from ..linearize.values import Live
 from ..native import available, define_cpu_op
 from . import constants, fills_padding, fuse
 
@@ -160,20 +160,13 @@ def _linear_ones_grad(ctx, grad, grad_ones_bar):
 linear_ones.register_autograd(_linear_ones_grad, setup_context=_linear_ones_setup)
 
 
-def _can_fuse(op, *args, value_gradient: bool = False, **kwargs) -> bool:
+def _can_fuse(op, *args, **kwargs) -> bool:
     x, weight, bias = arguments(op, args, kwargs)[:3]
     return isinstance(x, Live) and constants(weight, bias)
 
 
-def _linear_parameter_gradients(x: torch.Tensor, ones_bar: torch.Tensor, has_bias: bool):
-    def gradients(grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        grad_weight = grad.flatten(0, -2).transpose(0, 1).matmul(x.flatten(0, -2))
-        return (grad_weight, (grad * ones_bar).flatten(0, -2).sum(0)) if has_bias else (grad_weight,)
-    return gradients
-
-
-class _LinearOfHeld(torch.autograd.Function):
-    """R1's value with the numbers of the model's own ``x̄·Wᵀ + b`` (``Held.result``, equal up to
+class _LinearOfModel(torch.autograd.Function):
+    """R1's value with the numbers of the model's own ``x̄·Wᵀ + b`` (``model_result``, equal up to
     rounding).
 
     Where the held pass is the model's forward (a total parameter gradient) the model's
@@ -199,10 +192,10 @@ class _LinearOfHeld(torch.autograd.Function):
         return linear_input_grad(grad, weight, *ctx.receiving), grad_ones_bar, None, None, None, None
 
 
-def _fused(op, *args, held: Held, receiving: tuple[int, int] | None = None, value_gradient: bool = False,
+def _fused(op, *args, receiving: tuple[int, int] | None = None, model_result: torch.Tensor | None = None,
            **kwargs):
     """R1 through ``omenn::linear_ones``; from the model's result where the executor gives it
-    (:class:`_LinearOfHeld`). The backward multiplies only the ``receiving`` block of output
+    (:class:`_LinearOfModel`). The backward multiplies only the ``receiving`` block of output
     features (see :class:`~omenn_kernels.linearize.registry.Rule`); without a bias it does
     no ones work."""
     x, weight, bias = arguments(op, args, kwargs)
@@ -210,15 +203,11 @@ def _fused(op, *args, held: Held, receiving: tuple[int, int] | None = None, valu
     ones_bar = x.ones.mean(-1, keepdim=True)
     if bias is not None and fills_padding(ones_bar):
         return None
-    if held.result is not None:
-        return Live(_LinearOfHeld.apply(x.value, ones_bar, weight, bias, held.result, block), ones_bar)
+    if model_result is not None:
+        return Live(_LinearOfModel.apply(x.value, ones_bar, weight, bias, model_result, block), ones_bar)
     ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
     value, ones_bar = linear_ones(x.value, ones, weight, bias, *block)
-    if value_gradient:  # the weight's and bias's gradient on a node of its own (Rule.fused_differentiable)
-        value = with_parameter_gradient(value, (weight,) if bias is None else (weight, bias),
-                                        _linear_parameter_gradients(x.value.detach(), ones_bar.detach(),
-                                                                    bias is not None))
     return Live(value, ones_bar)
 
 
-fuse([torch.ops.aten.linear], _can_fuse, _fused, differentiable=True)
+fuse([torch.ops.aten.linear], _can_fuse, _fused)

@@ -57,5 +57,4 @@ max_pool_indices_cpu = define_cpu_op("max_pool_indices_cpu(Tensor x, int[] kerne
 fuse([torch.ops.aten.max_pool1d, torch.ops.aten.max_pool2d, torch.ops.aten.max_pool3d,
       torch.ops.aten.max_pool2d_with_indices, torch.ops.aten.max_pool3d_with_indices],
      lambda op, *args, **kwargs: True,
-     lambda op, *args, value_gradient=False, **kwargs: max_pooled(op, args, kwargs, max_pool_indices),
-     differentiable=True)
+     lambda op, *args, **kwargs: max_pooled(op, args, kwargs, max_pool_indices))

@@ -84,8 +84,8 @@ def test_a_cnn_explains_channels_last_on_the_cpu(memory_format, create_graph):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is torch.ops.aten.convolution_backward.default and args[1].shape[1] > 1:
                 self.weight_grads.append((channels_last(args[0]), channels_last(args[1])))
-            if func is torch.ops.omenn.conv2d_ones.default:
-                self.convolved.append(args[0])
+            if func in (torch.ops.omenn.conv2d_ones.default, torch.ops.aten.convolution.default):
+                self.convolved.append(args[0])  # the linearized convolutions, or the model's (a total gradient)
             if func is torch.ops.omenn.conv2d_input_grad.default:
                 self.input_grads.append(args[0])
             if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default):

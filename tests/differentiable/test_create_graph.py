@@ -9,20 +9,19 @@
 * With ``"total"`` the returned logits are the model's own output with its own gradient.
 * The fused backend differentiates its ops twice, with the reference's gradients (rtol
   1e-9); attention through its op with fixed multipliers, the reference rule where its
-  weights follow the parameters; a rule whose fused op has no double backward falls back
-  with a warning. Its backward runs once per explanation, and the parameters' gradient of
-  its values only for the logits.
+  weights follow the parameters. Its backward runs once per explanation; with a total
+  gradient its convolutions take the numbers of the model's own forward.
 * Many read-outs per forward: the gradient of their sum is the sum of single-target
   gradients (rtol 1e-9).
-* Piecewise-constant multipliers only (ReLU, max pooling, eval BatchNorm): no held
-  forward runs, and the total gradient equals the fixed-multiplier one (rtol 1e-12).
+* The held pass is the model's forward for a total gradient, once per explanation, and
+  for no other; with piecewise-constant multipliers only (ReLU, max pooling, eval
+  BatchNorm) the total gradient equals the fixed-multiplier one (rtol 1e-12).
 * Fixed multipliers hold gates computed with parameters fixed too: query and key
   projections of their own and a sigmoid gate's projection get no gradient.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
@@ -33,7 +32,6 @@ from torch import nn
 from omenn_kernels import Explainer, explain
 from omenn_kernels.backends import executor
 from omenn_kernels.capture import eval_semantics
-from omenn_kernels.linearize import registry, values
 from omenn_kernels.ops import conv_bias
 from omenn_kernels.testing import randomize_
 from differentiable_models import DT, MODELS
@@ -147,41 +145,27 @@ def test_attention_op_differentiates_again_with_its_weights_held(parameter_gradi
     assert bool(calls) == (parameter_gradient == "fixed_multipliers")
 
 
-def test_fallback_warns_where_the_fused_op_would_run(monkeypatch):
-    """A rule whose fused op has no double backward, on a device where that op runs (here:
-    attention's op declared without one), warns and names the rule."""
-    sdpa = torch.ops.aten.scaled_dot_product_attention.default
-    rule = registry.lookup(sdpa)
-    monkeypatch.setitem(registry._RULES, sdpa, dataclasses.replace(rule, fused_differentiable=False))
-    model, x = MODELS["vit"]()
-    with pytest.warns(RuntimeWarning, match="the fused ops of R6 attention have no double backward"):
-        Explainer(model, backend="auto")(x, TARGET, create_graph=True)
-
-
-def test_fused_backward_runs_once_per_explanation_and_parameter_path_only_for_logits(monkeypatch):
-    """ReLU CNN, total gradient (the held pass is not the model's forward, so the linearized logits are the model's):
+def test_fused_backward_runs_once_per_explanation_and_convolutions_take_the_model_numbers(monkeypatch):
+    """ReLU CNN, total gradient:
 
     * the explanation's backward runs each convolution's fused input gradient once, and the
       attribution loss's backward does not run it again (nothing sends gradients into the
       linearized forward: max pooling gathers its value instead of keeping its input);
-    * the parameters' gradient of the fused values is computed only for the logits' backward.
+    * the linearized convolutions take the numbers of the model's forward (the held pass):
+      no convolution runs twice.
     """
     model, x = MODELS["relu_cnn"]()
-    input_grads, parameter_paths = [], []
-    real_input_grad = conv_bias.conv2d_input_grad
+    input_grads, convolutions_run = [], []
+    real_input_grad, real_conv = conv_bias.conv2d_input_grad, conv_bias.conv2d_ones
     monkeypatch.setattr(conv_bias, "conv2d_input_grad", lambda *a: input_grads.append(1) or real_input_grad(*a))
-    real_backward = values._ParameterPath.backward
-    monkeypatch.setattr(values._ParameterPath, "backward",
-                        staticmethod(lambda ctx, grad: parameter_paths.append(1) or real_backward(ctx, grad)))
+    monkeypatch.setattr(conv_bias, "conv2d_ones", lambda *a: convolutions_run.append(1) or real_conv(*a))
     explanation = Explainer(model, backend="auto")(x, TARGET, create_graph=True)
     convolutions = sum(isinstance(m, nn.Conv2d) for m in model.modules())
-    assert len(input_grads) == convolutions and parameter_paths == []
+    assert len(input_grads) == convolutions and convolutions_run == []
     explanation.contribution.square().sum().backward(retain_graph=True)
-    assert len(input_grads) == convolutions and parameter_paths == []
-    explanation.logits.sum().backward()
-    # Each BatchNorm follows a convolution and is folded into it at capture (omenn_kernels/folding.py).
-    fused_layers = sum(isinstance(m, (nn.Conv2d, nn.Linear)) for m in model.modules())
-    assert len(parameter_paths) == fused_layers
+    assert len(input_grads) == convolutions
+    Explainer(model, backend="auto")(x, TARGET)
+    assert len(convolutions_run) == convolutions  # a first-order explanation has no model forward to take
 
 
 def test_many_readouts_gradient_is_the_sum_of_single_ones():
@@ -217,28 +201,29 @@ def test_frozen_model_explains_with_create_graph():
     torch.testing.assert_close(explanation.contribution.sum((1, 2)), explanation.logit, rtol=1e-10, atol=0)
 
 
-@pytest.mark.parametrize("family, model_forward", [("relu_cnn", False), ("cnn", True), ("vit", True)])
-def test_model_forward_only_where_multipliers_follow_it(monkeypatch, family, model_forward):
-    """The held pass is the model's forward; it is skipped for piecewise-constant multipliers,
-    whose total gradient is then the fixed-multiplier one."""
+@pytest.mark.parametrize("family", ["relu_cnn", "cnn", "vit"])
+def test_held_pass_is_the_model_forward_for_a_total_gradient(monkeypatch, family):
+    """The held pass is the model's forward once per explanation with a total gradient, and not
+    with fixed multipliers; with piecewise-constant multipliers only (the ReLU CNN) both give
+    the same parameter gradient of the explanation."""
     model, x = MODELS[family]()
     explainer = Explainer(model)
-    assert explainer.program(x)[0].multipliers_follow_held == model_forward
     held_passes = []
     real_pass = executor.held_pass
     monkeypatch.setattr(executor, "held_pass", lambda *args: held_passes.append(1) or real_pass(*args))
     params = list(model.parameters())
     total = _gradients(explainer(x, TARGET, create_graph=True), params, logits=False)
-    assert bool(held_passes) == model_forward
-    if not model_forward:
-        fixed = _gradients(explainer(x, TARGET, create_graph=True, parameter_gradient="fixed_multipliers"), params)
+    assert len(held_passes) == 1
+    fixed = _gradients(explainer(x, TARGET, create_graph=True, parameter_gradient="fixed_multipliers"), params)
+    assert len(held_passes) == 1
+    if family == "relu_cnn":
         for actual, expected in zip(total, fixed):
             _assert_close(actual, expected, RTOL_SAME)
 
 
 def test_fused_value_gradient_without_biases():
-    """Bias-free convolution and linear head, ReLU and max pooling (no model forward as the held pass): the
-    fused values' parameter gradient (weights only) gives the logits the model's own gradient."""
+    """Bias-free convolution and linear head, ReLU and max pooling: the fused backend's logits have
+    the model's own parameter gradient (weights only), and its explanation the reference's."""
     torch.manual_seed(5)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
                           nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64, 5, bias=False)).to(DT)

@@ -20,7 +20,7 @@ import torch.nn as nn
 from omenn_kernels import explain
 from omenn_kernels.linearize import lookup
 from omenn_kernels.linearize.rules.activation import multiplier
-from omenn_kernels.linearize.values import Held, Live
+from omenn_kernels.linearize.values import Live
 from rule_checks import ATOL, DT
 
 aten = torch.ops.aten
@@ -125,7 +125,7 @@ def test_rule_routes_gradient_through_detached_multiplier(name):
     x = x0.clone().requires_grad_(True)
     ones = torch.ones_like(x0, requires_grad=True)
     g = torch.randn(x0.shape, generator=torch.Generator().manual_seed(3), dtype=DT)
-    out = lookup(op).reference(op, Live(x, ones), *rest, held=Held([x0, *rest]))
+    out = lookup(op).reference(op, Live(x, ones), *rest, held=[x0, *rest])
     torch.testing.assert_close(out.value.detach(), _elementwise(f, x0.flatten()).view_as(x0),
                                rtol=RTOL, atol=ATOL)
     # The ones pass unchanged (possibly shared along some dims: compare broadcast).

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from omenn_kernels import Explainer, explain
 from omenn_kernels.linearize.rules import attention
 from omenn_kernels.linearize.rules.attention import attended, attention_weights
-from omenn_kernels.linearize.values import Gate, Held, Live
+from omenn_kernels.linearize.values import Gate, Live
 from rule_checks import (ATOL, DT, SqueezeExcite, assert_complete, assert_sums_to_logit, rand, randomize,
                          tokens)
 
@@ -338,7 +338,7 @@ def test_silu_written_as_gate_equals_silu():
 
 
 def test_attended_with_a_product_takes_its_numbers_and_differentiates_as_without():
-    """Given the model's ``A·V̄`` (``Held.result``: a total parameter gradient) ``A·V``'s value is
+    """Given the model's ``A·V̄`` (``model_result``: a total parameter gradient) ``A·V``'s value is
     its numbers, not a second T×T product; its derivatives, first and second order (through ``A``
     and the held values), are those of the product itself (rtol 1e-12)."""
     g = torch.Generator().manual_seed(17)
@@ -362,20 +362,23 @@ def test_attended_with_a_product_takes_its_numbers_and_differentiates_as_without
         torch.testing.assert_close(with_product, without, rtol=1e-12, atol=1e-12)
 
 
-def _held_sdpa(query, key, values, result=None) -> Held:
+def _held_sdpa(query, key, values) -> list:
     """What the executor gives the SDPA rule: its arguments' held values (no mask, no dropout)."""
-    return Held([query, key, values, None, 0.0, False, None, False], result)
+    return [query, key, values, None, 0.0, False, None, False]
 
 
+@pytest.mark.parametrize("chunk_bytes", [450, 1 << 20], ids=["chunks_of_two_heads", "one_chunk"])
 @pytest.mark.parametrize("readouts", [1, 2])
 @pytest.mark.parametrize("terms", ["both", "explanation", "held"])
-def test_sdpa_with_held_values_equals_the_weights_written_out_to_second_order(readouts, terms):
-    """Self-attention with held Q, K, V that follow the parameters (a total parameter gradient)
-    and the model's output given (``Held.result``): the rule takes its numbers and computes
-    ``A`` from the held Q and K; against ``A`` written out with autograd: the value, the
-    explanation's ``dV`` and the second-order gradients with respect to Q, K and the held V
-    (rtol 1e-12), for one read-out and two, with the model output's gradient, the
-    explanation's, or both."""
+def test_sdpa_with_held_values_equals_the_weights_written_out_to_second_order(monkeypatch, chunk_bytes, readouts,
+                                                                             terms):
+    """Self-attention with held Q, K, V that follow the parameters (a total parameter gradient),
+    the model's output and weights given by the held pass (``model_attention``, SDPA's numbers):
+    the rule takes both; against ``A`` written out with autograd: the value, the explanation's
+    ``dV`` and the second-order gradients with respect to Q, K and the held V (rtol 1e-12), for
+    one read-out and two, with the model output's gradient, the explanation's, or both; the
+    model's attention in chunks of heads and in one."""
+    monkeypatch.setattr(attention, "_CHUNK_BYTES", chunk_bytes)  # 5×5 float64 weights: 200 bytes a head
     g = torch.Generator().manual_seed(19)
     shape = (2, 3, 5, 4)  # 6 heads of 5 tokens
 
@@ -394,9 +397,11 @@ def test_sdpa_with_held_values_equals_the_weights_written_out_to_second_order(re
             weights = attention_weights(query, key, None, False, None, False)
             out, model_output = attended(weights, Live(values, ones)), torch.matmul(weights, held)
         else:
-            model_output = F.scaled_dot_product_attention(query, key, held)
+            model_output, model_result = attention.model_attention(query, key, held)
+            torch.testing.assert_close(model_output, F.scaled_dot_product_attention(query, key, held),
+                                       rtol=1e-12, atol=1e-12)
             out = attention._sdpa(sdpa, Gate(query), Gate(key), Live(values, ones),
-                                  held=_held_sdpa(query, key, held, model_output))
+                                  held=_held_sdpa(query, key, held), model_result=model_result)
             assert torch.equal(out.value, model_output)
         loss = 0.0
         if terms != "held":
@@ -432,6 +437,27 @@ def test_sdpa_with_constant_weights_in_chunks_equals_the_weights_written_out(mon
         results.append((out.value, grad_values, *torch.autograd.grad((grad_values * down).sum(), up_scale)))
     for chunked, written in zip(*results):
         torch.testing.assert_close(chunked, written, rtol=1e-12, atol=1e-12)
+
+
+def test_third_derivative_through_the_model_attention_is_refused():
+    """The model's attention in chunks differentiates twice (an explanation inside a loss), and
+    refuses a third differentiation rather than return one that misses terms."""
+    g = torch.Generator().manual_seed(29)
+    query, key, held = (torch.randn(1, 2, 4, 3, generator=g, dtype=DT).requires_grad_(True) for _ in range(3))
+
+    def second_order_loss() -> torch.Tensor:
+        values = held.detach().clone().requires_grad_(True)
+        output, model_result = attention.model_attention(query, key, held)
+        out = attention._sdpa(torch.ops.aten.scaled_dot_product_attention.default, Gate(query), Gate(key),
+                              Live(values, torch.ones(1, 2, 4, 1, dtype=DT)), held=_held_sdpa(query, key, held),
+                              model_result=model_result)
+        (grad_values,) = torch.autograd.grad(out.value.square().sum(), values, create_graph=True)
+        return grad_values.square().sum() + output.sum()
+
+    assert all(bool(torch.isfinite(d).all()) for d in torch.autograd.grad(second_order_loss(), [query, key]))
+    (grad_query,) = torch.autograd.grad(second_order_loss(), [query], create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_query.sum().backward()
 
 
 def _fully_masked_rows(form: str) -> torch.Tensor:

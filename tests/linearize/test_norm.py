@@ -18,7 +18,7 @@ import torch.nn as nn
 from omenn_kernels import UnsupportedOpError, explain
 from omenn_kernels.linearize import lookup
 from omenn_kernels.linearize.rules.norm import batch_norm_affine
-from omenn_kernels.linearize.values import Held, Live
+from omenn_kernels.linearize.values import Live
 from rule_checks import ATOL, DT, RTOL, Headed, assert_complete, assert_sums_to_logit, rand
 
 aten = torch.ops.aten
@@ -210,7 +210,7 @@ def test_layer_norm_rule_ones_gradient(op):
     x0, gamma, beta = rand(3, 5, seed=63) * 2, rand(5, seed=64), rand(5, seed=65)
     x = x0.clone().requires_grad_(True)
     ones = torch.ones_like(x0, requires_grad=True)
-    out = lookup(op).reference(op, Live(x, ones), [5], gamma, beta, 1e-5, held=Held([x0, [5], gamma, beta, 1e-5]))
+    out = lookup(op).reference(op, Live(x, ones), [5], gamma, beta, 1e-5, held=[x0, [5], gamma, beta, 1e-5])
     if isinstance(out, tuple):
         out = out[0]
     torch.testing.assert_close(out.value.detach(), nn.functional.layer_norm(x0, [5], gamma, beta, 1e-5),

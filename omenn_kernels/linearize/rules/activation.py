@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..registry import Rule, arguments, register
-from ..values import Held, Live
+from ..values import Live
 
 aten = torch.ops.aten
 
@@ -59,7 +59,7 @@ def multiplier(op, x: torch.Tensor, *rest) -> tuple[torch.Tensor, float]:
 
     ``op(x, *rest) == f(0) + x·ξ(x)`` elementwise (up to rounding). ``ξ`` follows ``x``'s
     autograd history: pass a value held constant with respect to the input
-    (:class:`~omenn_kernels.linearize.values.Held`).
+    (``Rule.held_args``).
     """
     closed = CLOSED_FORM.get(op)
     if closed is not None:
@@ -69,11 +69,11 @@ def multiplier(op, x: torch.Tensor, *rest) -> tuple[torch.Tensor, float]:
     return torch.where(x == 0, torch.full_like(x, slope), quotient), offset
 
 
-def _activation(op, *args, held: Held | None = None, **kwargs):
+def _activation(op, *args, held: list | None = None, **kwargs):
     """R4: ``f(0)·O + x·ξ(x̄)`` with ``x̄`` the held ``x``; the ones pass through. A piecewise-constant
     ``ξ`` (no ``held``) is read from the value itself."""
     x, *rest = arguments(op, args, kwargs)
-    xi, offset = multiplier(op, x.value.detach() if held is None else held.args[0], *rest)
+    xi, offset = multiplier(op, x.value.detach() if held is None else held[0], *rest)
     value = x.value * xi
     if offset != 0.0:
         value = value + offset * x.ones
@@ -88,6 +88,6 @@ register([aten.gelu, aten.silu, aten.hardswish, aten.elu, aten.celu, aten.selu, 
           aten.relu6, aten.tanh, aten.softplus, aten.mish, aten.softshrink, aten.clamp.default,
           aten.clamp_min.default, aten.clamp_max.default, aten.log_sigmoid, aten.sin, aten.cos, aten.tan,
           aten.asin, aten.acos, aten.atan, aten.sinh, aten.cosh, aten.asinh, aten.atanh, aten.expm1, aten.log1p],
-         Rule("R4 elementwise activation", _activation, multiplier_args=(0,), held="multipliers"))
+         Rule("R4 elementwise activation", _activation, multiplier_args=(0,), held_args=(0,)))
 register([aten.sigmoid, aten.hardsigmoid],
-         Rule("R4 elementwise activation / R5 gate", _activation, may_gate=True, held="multipliers"))
+         Rule("R4 elementwise activation / R5 gate", _activation, may_gate=True, held_args=(0,)))

@@ -22,7 +22,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Held, Live, ones_from_values, plain, renormalized
+from ..values import Gate, Live, ones_from_values, plain, renormalized
 
 aten = torch.ops.aten
 
@@ -38,7 +38,7 @@ class _WeightedSum(torch.autograd.Function):
     ``A`` is the contiguous ``dY·dV'ᵀ`` rather than a transposed product, which the
     softmax's backward would first copy.
 
-    ``product``: the same product computed already (the model's own output, ``Held.result``;
+    ``product``: the same product computed already (the model's own output, :func:`model_attention`;
     or in chunks of heads), whose numbers the result takes instead of multiplying again;
     the backward reads only ``A``.
     """
@@ -120,20 +120,74 @@ def attention_weights(query, key, mask, is_causal: bool, scale, enable_gqa: bool
     if is_causal:
         causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    if mask is None:  # every row keeps a key
+        return torch.softmax(scores, -1)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     return aten._safe_softmax.default(scores, -1)
 
 
-def _sdpa(op, *args, held: Held, **kwargs):
+class _ModelAttention(torch.autograd.Function):
+    """SDPA's ``A·V`` with ``A = softmax(QKᵀ·s)``, returning ``A`` too, each block of heads computed
+    (forward and backward) while it stays in cache on the CPU (:func:`_head_chunks`). ``A``'s
+    gradient (from the explanation's ``dV = Aᵀ·dY``, differentiated again) and the output's are
+    added block by block before one softmax backward. Not differentiable a third time."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, key: torch.Tensor, values: torch.Tensor, scale: float):
+        q, k, v = _rows(query), _rows(key), _rows(values)
+        weights, out = _weights_and_product(q, k, v, scale)
+        ctx.scale, ctx.shapes = scale, (query.shape, key.shape, values.shape)
+        ctx.save_for_backward(q, k, v, weights)
+        batch = query.shape[:-2]
+        return weights.view(*batch, *weights.shape[-2:]), out.view(*batch, *out.shape[-2:])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_weights: torch.Tensor | None, grad_out: torch.Tensor | None):
+        q, k, v, weights = ctx.saved_tensors
+        grad_weights = None if grad_weights is None else _rows(grad_weights)
+        grad_out = None if grad_out is None else _rows(grad_out)
+        grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows in _head_chunks(*weights.shape, q):
+            a = weights[rows]
+            grad_a = torch.zeros_like(a) if grad_weights is None else grad_weights[rows].clone()
+            if grad_out is not None:
+                grad_a.baddbmm_(grad_out[rows], v[rows].transpose(-2, -1))
+                torch.bmm(a.transpose(-2, -1), grad_out[rows], out=grad_v[rows])
+            grad_scores = a * (grad_a - (grad_a * a).sum(-1, keepdim=True)) * ctx.scale
+            torch.bmm(grad_scores, k[rows], out=grad_q[rows])
+            torch.bmm(grad_scores.transpose(-2, -1), q[rows], out=grad_k[rows])
+        return (*(g.view(shape) for g, shape in zip((grad_q, grad_k, grad_v), ctx.shapes)), None)
+
+
+def model_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                    enable_gqa=False) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """SDPA as the held pass runs it for the rule (``Rule.model_form``): ``A·V`` with the weights ``A``
+    written out, and both for the rule, which then computes neither again; autograd adds the two
+    gradients of ``A`` (the model's output's and the explanation's) before one softmax backward
+    (:class:`_ModelAttention` for self-attention without a mask)."""
+    if (attn_mask is None and not is_causal and query.shape == key.shape == value.shape
+            and not torch.is_autocast_enabled(query.device.type)):  # chunks write into buffers of one dtype
+        weights, output = _ModelAttention.apply(query, key, value,
+                                                1.0 / math.sqrt(query.shape[-1]) if scale is None else scale)
+        return output, (output, weights)
+    weights = attention_weights(query, key, attn_mask, is_causal, scale, enable_gqa)
+    if enable_gqa and value.shape[-3] != weights.shape[-3]:
+        value = value.repeat_interleave(weights.shape[-3] // value.shape[-3], dim=-3)
+    output = torch.matmul(weights, value)
+    return output, (output, weights)
+
+
+def _sdpa(op, *args, held: list, model_result: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs):
     """R6 for ``scaled_dot_product_attention``: Q, K and the mask only feed the gate, whose
-    weights come from their held values."""
+    weights come from their held values (or with the model's output from the held pass,
+    ``model_result``: :func:`model_attention`)."""
     query, key, value, mask, dropout, is_causal, scale, enable_gqa = arguments(op, args, kwargs)
     if dropout:
         raise RuleError("attention dropout is random", "R6 (eval-mode attention)")
     if not isinstance(value, Live):
         raise RuleError("the values of the attention do not depend on the input", "R6")
-    q, k, mask = held.args[0], held.args[1], held.args[3]
+    q, k, mask = held[0], held[1], held[3]
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     if enable_gqa and value.value.shape[-3] != q.shape[-3]:
@@ -141,9 +195,12 @@ def _sdpa(op, *args, held: Held, **kwargs):
         ones = value.ones if value.ones.shape[-3] == 1 else value.ones.repeat_interleave(repeat, dim=-3)
         value = Live(value.value.repeat_interleave(repeat, dim=-3), ones)
     queries_are_tokens = isinstance(query, (Live, Gate))
+    if model_result is not None:
+        product, weights = model_result
+        return attended(weights, value, queries_are_tokens, softmax_rows=True, product=product)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if (mask is None and not is_causal and queries_are_tokens and q.shape[-2] == k.shape[-2]
-            and q.shape[:-2] == k.shape[:-2] == value.value.shape[:-2] and held.result is None
+            and q.shape[:-2] == k.shape[:-2] == value.value.shape[:-2]
             and not q.requires_grad and not k.requires_grad  # constant weights: the product in chunks too
             and not torch.is_autocast_enabled(q.device.type)):  # chunks write into buffers of one dtype
         with torch.no_grad():
@@ -153,7 +210,7 @@ def _sdpa(op, *args, held: Held, **kwargs):
                                        product.view(*shape, value.value.shape[-1]))
         return Live(value_out, value.ones)
     weights = attention_weights(q, k, mask, is_causal, scale, False)
-    return attended(weights, value, queries_are_tokens, softmax_rows=True, product=held.result)
+    return attended(weights, value, queries_are_tokens, softmax_rows=True)
 
 
 def weights_fit_one_chunk(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -168,6 +225,7 @@ def _softmax_outside_gate(op, *args, **kwargs):
 
 
 register([aten.scaled_dot_product_attention],
-         Rule("R6 attention", _sdpa, gate_args=(0, 1, 3), held="multipliers"))
+         Rule("R6 attention", _sdpa, gate_args=(0, 1, 3), held_args=(0, 1, 3),
+              takes_model_result=True, model_form=model_attention))
 register([aten.softmax, aten._softmax, aten._safe_softmax],
          Rule("R5 gate", _softmax_outside_gate, may_gate=True, live=False))

@@ -85,7 +85,9 @@ def convolved(x: Live, weight: torch.Tensor, bias, stride, padding, dilation, gr
     return Live(value, ones)
 
 
-def _conv(op, *args, **kwargs):
+def _conv(op, *args, model_result: torch.Tensor | None = None, **kwargs):
+    """R2; the reference computes the convolution itself, whatever ``model_result`` gives (its fused
+    form takes it)."""
     bound = arguments(op, args, kwargs)
     if op is aten.convolution.default:
         x, weight, bias, stride, padding, dilation, transposed, _output_padding, groups = bound
@@ -100,4 +102,4 @@ def _conv(op, *args, **kwargs):
 
 
 register([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution],
-         Rule("R2 convolution", _conv))
+         Rule("R2 convolution", _conv, takes_model_result=True))

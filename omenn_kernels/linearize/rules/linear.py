@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Gate, Held, Live, reached
+from ..values import Gate, Live, reached
 from .attention import attended
 
 aten = torch.ops.aten
@@ -25,9 +25,10 @@ _TWO_LIVE = RuleError("both operands of the matrix product depend on the input a
                       "gate (softmax/sigmoid weights)", "R9 (a product of two LIVE tensors is unsupported)")
 
 
-def _linear(op, *args, receiving: tuple[int, int] | None = None, held: Held | None = None, **kwargs):
-    """R1 for ``F.linear``: ``xWᵀ + b·Ō`` (autograd finds the receiving features itself). The
-    reference computes the product itself, whatever ``held.result`` gives (its fused form takes it)."""
+def _linear(op, *args, receiving: tuple[int, int] | None = None, model_result: torch.Tensor | None = None,
+            **kwargs):
+    """R1 for ``F.linear``: ``xWᵀ + b·Ō`` (autograd finds the receiving features itself); the
+    reference computes the product itself, whatever ``model_result`` gives (its fused form takes it)."""
     x, weight, bias = arguments(op, args, kwargs)
     if not isinstance(x, Live) or isinstance(weight, (Live, Gate)) or isinstance(bias, (Live, Gate)):
         raise RuleError("the weight or bias of a linear layer depends on the input",
@@ -150,7 +151,7 @@ def _gated_einsum(operands: list, subscripts: list[str], output: str, index: int
     return Live(product.value.permute(back), product.ones.permute(back))
 
 
-register([aten.linear], Rule("R1 linear", _linear, receiving=True, held="result"))
+register([aten.linear], Rule("R1 linear", _linear, receiving=True, takes_model_result=True))
 register([aten.matmul, aten.mm, aten.bmm],
          Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1)))
 register([aten.addmm], Rule("R1 linear", _addmm))

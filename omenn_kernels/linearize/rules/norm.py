@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..registry import Rule, RuleError, arguments, register
-from ..values import Held, Live, full_ones, reached
+from ..values import Live, full_ones, reached
 
 aten = torch.ops.aten
 
@@ -85,15 +85,15 @@ def as_op_result(op, x: Live, out: Live):
     return out
 
 
-def _layer_norm(op, *args, held: Held, **kwargs):
+def _layer_norm(op, *args, held: list, **kwargs):
     x, shape, weight, bias, eps = arguments(op, args, kwargs)[:5]
-    return as_op_result(op, x, normalized(x, held.args[0], list(range(-len(shape), 0)), weight, bias, eps))
+    return as_op_result(op, x, normalized(x, held[0], list(range(-len(shape), 0)), weight, bias, eps))
 
 
-def _rms_norm(op, *args, held: Held, **kwargs):
+def _rms_norm(op, *args, held: list, **kwargs):
     x, shape, weight, eps = arguments(op, args, kwargs)
     eps = torch.finfo(x.value.dtype).eps if eps is None else eps
-    return normalized(x, held.args[0], list(range(-len(shape), 0)), weight, None, eps, centre=False)
+    return normalized(x, held[0], list(range(-len(shape), 0)), weight, None, eps, centre=False)
 
 
 def _grouped(x: Live, held: torch.Tensor, groups: int, weight, bias, eps: float) -> Live:
@@ -109,21 +109,21 @@ def _grouped(x: Live, held: torch.Tensor, groups: int, weight, bias, eps: float)
     return Live(value, ones)
 
 
-def _group_norm(op, *args, held: Held, **kwargs):
+def _group_norm(op, *args, held: list, **kwargs):
     x, groups, weight, bias, eps, _cudnn = arguments(op, args, kwargs)
-    return _grouped(x, held.args[0], groups, weight, bias, eps)
+    return _grouped(x, held[0], groups, weight, bias, eps)
 
 
-def _native_group_norm(op, *args, held: Held, **kwargs):
+def _native_group_norm(op, *args, held: list, **kwargs):
     x, weight, bias, _n, _c, _hw, groups, eps = arguments(op, args, kwargs)
     empty = x.value.new_empty(0)
-    return _grouped(x, held.args[0], groups, weight, bias, eps), empty, empty
+    return _grouped(x, held[0], groups, weight, bias, eps), empty, empty
 
 
 register([aten._native_batch_norm_legit_no_training],
          Rule("R3 BatchNorm (eval)", _batch_norm_no_training))
 register([aten.batch_norm], Rule("R3 BatchNorm (eval)", _batch_norm))
-register([aten.layer_norm, aten.native_layer_norm], Rule("R3' LayerNorm", _layer_norm, held="multipliers"))
-register([aten.rms_norm], Rule("R3' RMSNorm", _rms_norm, held="multipliers"))
-register([aten.group_norm], Rule("R3' GroupNorm", _group_norm, held="multipliers"))
-register([aten.native_group_norm], Rule("R3' GroupNorm", _native_group_norm, held="multipliers"))
+register([aten.layer_norm, aten.native_layer_norm], Rule("R3' LayerNorm", _layer_norm, held_args=(0,)))
+register([aten.rms_norm], Rule("R3' RMSNorm", _rms_norm, held_args=(0,)))
+register([aten.group_norm], Rule("R3' GroupNorm", _group_norm, held_args=(0,)))
+register([aten.native_group_norm], Rule("R3' GroupNorm", _native_group_norm, held_args=(0,)))

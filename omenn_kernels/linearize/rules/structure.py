@@ -16,14 +16,12 @@ from typing import Any
 
 import torch
 
+from ...capture import functional
 from ..registry import Rule, RuleError, arguments, register
 from ..values import Gate, Live, contains, plain, renormalized
 
 aten = torch.ops.aten
 
-
-_RESHAPE_FOR_VIEW = {aten.view.default: aten.reshape.default,
-                     aten._unsafe_view.default: aten.reshape.default}
 
 # Act on shared (size-1) dimensions of the ones exactly as on full ones.
 _DIRECT = {aten.permute.default, aten.transpose.int, aten.t.default, aten.movedim.int,
@@ -146,9 +144,7 @@ def same_on_ones(op, *args, **kwargs):
     if contains(args[1:], Live) or contains(kwargs, Live) or not isinstance(args[0], Live):
         raise RuleError("an input-dependent tensor is used as an index or shape",
                         "R10 with CONST indices")
-    # The graph is functional, so a view may copy: rule outputs need not have the
-    # original strides, which `view` requires.
-    op = _RESHAPE_FOR_VIEW.get(op, op)
+    op = functional(op)  # rule outputs need not have the capture's strides
     value = op(args[0].value, *args[1:], **kwargs)
     return _pair(value, _ones_of_structure(op, args, kwargs, args[0].value, value))
 
