@@ -75,7 +75,9 @@ def _lookup_env(env: dict, arg):
 
 
 class _Detached:
-    """The held values of a first-order forward: its values as it computes them, detached."""
+    """The held values where the held pass is not the model's forward (first-order, fixed
+    multipliers): the forward's own values as it computes them, detached. Read like the model
+    forward's dict of results, it holds nothing ahead and nothing to release."""
 
     def __init__(self, env: dict) -> None:
         self.env = env
