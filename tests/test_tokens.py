@@ -10,11 +10,16 @@ backend runs its traced graph uncompiled (``COMPILER`` is the identity).
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, GPT2Config,
                           GPT2ForSequenceClassification, GPT2LMHeadModel)
+from transformers.pytorch_utils import Conv1D
 
 from omenn_kernels import Explainer, InputError, InputTypeError, TokenExplainer, explain
 from omenn_kernels.backends import compiled
@@ -205,6 +210,49 @@ def test_padding_contributes_exactly_zero_under_every_pooling(pooling):
     explanations = {backend: explain(model, ids, 3, attention_mask=mask, layer="embed", backend=backend)
                     for backend in BACKENDS}
     _check(explanations, logits[:, 3], mask)
+
+
+class _Conv1DMean(nn.Module):
+    """GPT-2's ``Conv1D`` layers (``addmm`` of a bias and a product) over every token, padding
+    included, then a mean over all of them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCABULARY, 16)
+        self.mix = Conv1D(24, 16)
+        self.head = Conv1D(4, 24)
+
+    def forward(self, ids, attention_mask):
+        return self.head(F.gelu(self.mix(self.embed(ids))).mean(1))
+
+
+class _AtenCalls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_conv1d_layers_carry_their_bias_over_padding_through_the_fused_linear():
+    """``addmm(b, x, W)`` is R1 as ``F.linear``: a bias at a padding position (no ones, R8') goes
+    to the sample's real tokens (R11'), in every backend; the fused backend runs it as
+    ``omenn::linear_ones``, whose backward multiplies only the features that receive."""
+    model = randomize_(_Conv1DMean(), seed=25).to(DT).eval()
+    ids, mask = _padded(left=True, seed=26)
+    with torch.no_grad():
+        logits = model(ids, mask)
+    explanations = {backend: explain(model, ids, 3, attention_mask=mask, layer="embed", backend=backend)
+                    for backend in BACKENDS}
+    _check(explanations, logits[:, 3], mask)
+    explainer = TokenExplainer(model, backend="fused", layer="embed")
+    explainer(ids, 3, attention_mask=mask)
+    with _AtenCalls() as calls:
+        explainer(ids, 3, attention_mask=mask)
+    assert calls.ops[torch.ops.omenn.linear_ones.default] == 2
+    assert calls.ops[torch.ops.aten.addmm.default] == 0
 
 
 class _MaskedMean(nn.Module):

@@ -1,5 +1,7 @@
 """Fused op ``omenn::linear_ones``: R1's ``xWᵀ + b·Ō`` with a backward over the receiving features.
 
+It runs ``F.linear`` and ``addmm(b, x, W)`` (``Conv1D`` layers) alike.
+
 ``Ō`` is the mean of the ones over the contracted (last) dimension. The backward
 multiplies only the output features ``start:stop`` that can receive a gradient (decided
 by the graph walker, :mod:`omenn_kernels.linearize.receiving`): for a fused ``qkv``
@@ -15,7 +17,7 @@ that backward is the op's (:class:`_LinearOfModel`).
 
 Kernels: aten's matrix products on every device; on the CPU the forward's calls are made
 from C++ (``omenn::linear_ones_cpu``, ``csrc/linear_ones.cpp``), which a compiled
-explanation calls without the Python of this op. Reference: the rule's ``_linear``
+explanation calls without the Python of this op. Reference: the rules' ``_linear`` and ``_addmm``
 (:mod:`omenn_kernels.linearize.rules.linear`), ``F.linear`` with autograd.
 """
 
@@ -29,9 +31,9 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
 from ..linearize.registry import arguments
-from ..linearize.values import Live
+from ..linearize.values import Live, reached
 from ..native import available, define_cpu_op
-from . import constants, fills_padding, fuse
+from . import constants, fuse
 
 
 def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -165,6 +167,12 @@ def _can_fuse(op, *args, **kwargs) -> bool:
     return isinstance(x, Live) and constants(weight, bias)
 
 
+def _can_fuse_addmm(op, *args, **kwargs) -> bool:
+    """``addmm(b, x, W)`` is ``F.linear(x, Wᵀ, b)`` where it scales neither term and ``b`` is one bias per feature."""
+    bias, x, weight, beta, alpha = arguments(op, args, kwargs)
+    return isinstance(x, Live) and constants(weight, bias) and beta == 1 and alpha == 1 and bias.dim() == 1
+
+
 class _LinearOfModel(torch.autograd.Function):
     """R1's value with the numbers of the model's own ``x̄·Wᵀ + b`` (``model_result``, equal up to
     rounding).
@@ -192,22 +200,36 @@ class _LinearOfModel(torch.autograd.Function):
         return linear_input_grad(grad, weight, *ctx.receiving), grad_ones_bar, None, None, None, None
 
 
-def _fused(op, *args, receiving: tuple[int, int] | None = None, model_result: torch.Tensor | None = None,
-           **kwargs):
+def _linear_ones_of(x: Live, weight: torch.Tensor, bias: torch.Tensor | None, receiving: tuple[int, int] | None,
+                    model_result: torch.Tensor | None) -> Live:
     """R1 through ``omenn::linear_ones``; from the model's result where the executor gives it
     (:class:`_LinearOfModel`). The backward multiplies only the ``receiving`` block of output
     features (see :class:`~omenn_kernels.linearize.registry.Rule`); without a bias it does
-    no ones work."""
-    x, weight, bias = arguments(op, args, kwargs)
+    no ones work. The op is given ``Ō`` (its mean over a last dim of 1 is ``Ō``), filled by
+    R11' where a bias meets positions that only padding reaches."""
     block = receiving if receiving is not None else (0, weight.shape[0])
     ones_bar = x.ones.mean(-1, keepdim=True)
-    if bias is not None and fills_padding(ones_bar):
-        return None
+    if bias is not None:
+        ones_bar = reached(ones_bar)
     if model_result is not None:
         return Live(_LinearOfModel.apply(x.value, ones_bar, weight, bias, model_result, block), ones_bar)
-    ones = x.ones if x.ones.dim() == x.value.dim() else x.ones.expand(x.value.shape)
-    value, ones_bar = linear_ones(x.value, ones, weight, bias, *block)
+    value, ones_bar = linear_ones(x.value, ones_bar, weight, bias, *block)
     return Live(value, ones_bar)
 
 
+def _fused(op, *args, receiving: tuple[int, int] | None = None, model_result: torch.Tensor | None = None,
+           **kwargs):
+    """``F.linear`` through :func:`_linear_ones_of`."""
+    x, weight, bias = arguments(op, args, kwargs)
+    return _linear_ones_of(x, weight, bias, receiving, model_result)
+
+
+def _fused_addmm(op, *args, receiving: tuple[int, int] | None = None, model_result: torch.Tensor | None = None,
+                 **kwargs):
+    """``addmm(b, x, W)`` (a ``Conv1D`` layer) as ``F.linear(x, Wᵀ, b)`` through :func:`_linear_ones_of`."""
+    bias, x, weight = arguments(op, args, kwargs)[:3]
+    return _linear_ones_of(x, weight.t(), bias, receiving, model_result)
+
+
 fuse([torch.ops.aten.linear], _can_fuse, _fused)
+fuse([torch.ops.aten.addmm], _can_fuse_addmm, _fused_addmm)

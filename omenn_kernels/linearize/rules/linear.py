@@ -73,14 +73,16 @@ def _matmul(op, *args, **kwargs):
     return _left_constant(a, b, op)
 
 
-def _addmm(op, *args, **kwargs):
-    """R1 for ``beta·bias + alpha·(m1 @ m2)`` with LIVE ``m1`` and CONST ``m2``/bias."""
+def _addmm(op, *args, receiving: tuple[int, int] | None = None, model_result: torch.Tensor | None = None,
+           **kwargs):
+    """R1 for ``β·bias + α·(m1 @ m2)`` with LIVE ``m1`` and CONST ``m2`` and bias (a ``Conv1D``
+    layer): ``α·(m1 @ m2) + β·bias·Ō``, as :func:`_linear`."""
     bias, m1, m2, beta, alpha = arguments(op, args, kwargs)
     if not isinstance(m1, Live) or isinstance(m2, (Live, Gate)) or isinstance(bias, (Live, Gate)):
         raise RuleError("addmm is supported with a LIVE left factor and CONST weight and bias",
                         "R1 (CONST weight and bias)")
-    product = _right_constant(m1, m2, torch.mm)
-    return Live(alpha * product.value + beta * bias * product.ones, product.ones)
+    ones = reached(m1.ones.mean(-1, keepdim=True))
+    return Live(torch.addmm(beta * bias * ones, m1.value, m2, alpha=alpha), ones)
 
 
 def _subscripts(equation: str) -> tuple[list[str], str]:
@@ -154,5 +156,5 @@ def _gated_einsum(operands: list, subscripts: list[str], output: str, index: int
 register([aten.linear], Rule("R1 linear", _linear, receiving=True, takes_model_result=True))
 register([aten.matmul, aten.mm, aten.bmm],
          Rule("R1 matrix product / R6 attention", _matmul, factor_args=(0, 1)))
-register([aten.addmm], Rule("R1 linear", _addmm))
+register([aten.addmm], Rule("R1 linear", _addmm, receiving=True, takes_model_result=True))
 register([aten.einsum], Rule("R1' einsum / R6 attention", _einsum, factor_args=(1,)))
