@@ -25,7 +25,7 @@ from it instead of computing them again (a fused convolution or linear layer, at
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Literal, NamedTuple
+from typing import Any, Callable, Literal, Mapping, NamedTuple
 
 import torch
 
@@ -64,14 +64,60 @@ def _as_gate(result, detached: bool):
     return result
 
 
-def _lookup_env(env: dict, arg):
+def _reader(arg) -> Callable[[Mapping], Any]:
+    """A function that reads a node's argument ``arg`` from an env: the value of each node in it
+    by name, lists, tuples and dicts rebuilt around them (a fresh dict at every read: rules add
+    keywords to theirs), anything else as it is."""
     if isinstance(arg, torch.fx.Node):
-        return env[arg.name]
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(_lookup_env(env, a) for a in arg)
+        name = arg.name
+        return lambda env: env[name]
     if isinstance(arg, dict):
-        return {k: _lookup_env(env, v) for k, v in arg.items()}
-    return arg
+        readers = {key: _reader(value) for key, value in arg.items()}
+        return lambda env: {key: read(env) for key, read in readers.items()}
+    if isinstance(arg, (list, tuple)) and any(isinstance(a, (torch.fx.Node, list, tuple, dict)) for a in arg):
+        readers, kind = [_reader(a) for a in arg], type(arg)
+        return lambda env: kind([read(env) for read in readers])
+    return lambda env: arg
+
+
+class _Prepared(NamedTuple):
+    """A step with what running it reads, found once per program (see :func:`_prepared`)."""
+
+    step: Step
+    name: str
+    args: Callable[[Mapping], tuple]  # the node's positional arguments from an env
+    kwargs: Callable[[Mapping], dict]
+    held: Callable[[Mapping], list] | None  # a LIVE rule's ``held`` keyword (``Rule.held_args``)
+    operation: Callable  # the node's operation as the held pass and CONST/GATE steps run it
+    released: tuple[str, ...]  # the values no later step reads
+
+
+def _held_reader(step: Step) -> Callable[[Mapping], list] | None:
+    """For a LIVE rule that reads held values: the arguments in schema order (defaults filled in),
+    each one at a ``Rule.held_args`` position read from the held values, None elsewhere."""
+    if step.kind is not Kind.LIVE or not step.rule.held_args:
+        return None
+    node = step.node
+    bound = arguments(node.target, node.args, node.kwargs)
+    readers = [_reader(arg) if index in step.rule.held_args else None for index, arg in enumerate(bound)]
+    return lambda held: [read(held) if read is not None else None for read in readers]
+
+
+# Per program, its steps prepared once: a forward reads arguments through closures instead of
+# walking each node's arguments at every call.
+_PREPARED: weakref.WeakKeyDictionary[LinearizedProgram, tuple[_Prepared, ...]] = weakref.WeakKeyDictionary()
+
+
+def _prepared(program: LinearizedProgram) -> tuple[_Prepared, ...]:
+    """The program's steps, each with its argument readers and the values released after it."""
+    prepared = _PREPARED.get(program)
+    if prepared is None:
+        prepared = tuple(
+            _Prepared(step, step.node.name, _reader(tuple(step.node.args)), _reader(dict(step.node.kwargs)),
+                      _held_reader(step), functional(step.node.target), released)
+            for step, released in zip(program.steps, program.released_after))
+        _PREPARED[program] = prepared
+    return prepared
 
 
 class _Detached:
@@ -100,16 +146,16 @@ def held_pass(program: LinearizedProgram, env: dict, x: torch.Tensor, reuse_resu
     the rule's ``model_form`` returns with it."""
     held, results = dict(env), {}
     held[program.captured.input_name] = x.detach()
-    for step in program.steps:
-        node = step.node
-        args, kwargs = _lookup_env(held, node.args), _lookup_env(held, node.kwargs)
+    for prepared in _prepared(program):
+        args, kwargs = prepared.args(held), prepared.kwargs(held)
+        step = prepared.step
         reused = reuse_results and step.kind is Kind.LIVE and step.rule.takes_model_result
         if reused and step.rule.model_form is not None:
-            held[node.name], results[node.name] = step.rule.model_form(*args, **kwargs)
+            held[prepared.name], results[prepared.name] = step.rule.model_form(*args, **kwargs)
         else:
-            held[node.name] = functional(node.target)(*args, **kwargs)
+            held[prepared.name] = prepared.operation(*args, **kwargs)
             if reused:
-                results[node.name] = held[node.name]
+                results[prepared.name] = held[prepared.name]
     return held, results
 
 
@@ -137,19 +183,19 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     ones_key = (tuple(ones.shape), parameter_gradient)
     decided = _ONES_DECIDED.setdefault(program, {})
     with ones_checks(decided.get(ones_key)) as checks:
-        for step, released in zip(program.steps, program.released_after):
-            node = step.node
+        for prepared in _prepared(program):
+            step, name = prepared.step, prepared.name
             if step.kind is Kind.LIVE:
-                env[node.name] = _run_rule(step, implementation(step.rule), env, held, results.pop(node.name, None))
+                env[name] = _run_rule(prepared, implementation(step.rule), env, held, results.pop(name, None))
             else:  # may read only the shape of a LIVE argument
-                value = held[node.name] if node.name in held else \
-                    functional(node.target)(*_lookup_env(held, node.args), **_lookup_env(held, node.kwargs))
+                value = held[name] if name in held else \
+                    prepared.operation(*prepared.args(held), **prepared.kwargs(held))
                 # fixed multipliers: a gate computed with parameters ignores them
-                env[node.name] = value if step.kind is Kind.CONST else \
+                env[name] = value if step.kind is Kind.CONST else \
                     _as_gate(value, detached=parameter_gradient == "fixed_multipliers")
-            for name in released:
-                del env[name]
-                held.pop(name, None)
+            for released in prepared.released:
+                del env[released]
+                held.pop(released, None)
     if checks.shape_decided:
         decided[ones_key] = tuple(checks.fills)
     output = env[captured.output_name]
@@ -165,22 +211,21 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     return output, model_output
 
 
-def _run_rule(step: Step, rule: Callable, env: dict, held, model_result):
+def _run_rule(prepared: _Prepared, rule: Callable, env: dict, held, model_result):
     """The result of a LIVE step's ``rule``, given its operands (their held values where it reads
     them, and the model's result where the held pass gives it)."""
-    node = step.node
-    args, kwargs = _lookup_env(env, node.args), _lookup_env(env, node.kwargs)
+    step = prepared.step
+    args, kwargs = prepared.args(env), prepared.kwargs(env)
     if step.rule.receiving:
         kwargs["receiving"] = step.receiving
-    if step.rule.held_args:
-        kwargs["held"] = [_lookup_env(held, arg) if index in step.rule.held_args else None
-                          for index, arg in enumerate(arguments(node.target, node.args, node.kwargs))]
+    if prepared.held is not None:
+        kwargs["held"] = prepared.held(held)
     if model_result is not None:
         kwargs["model_result"] = model_result
     try:
-        return rule(node.target, *args, **kwargs)
+        return rule(step.node.target, *args, **kwargs)
     except RuleError as error:
-        raise unsupported(node.target, step.module_path, error.why, error.rule_kind) from None
+        raise unsupported(step.node.target, step.module_path, error.why, error.rule_kind) from None
 
 
 def _model_logits(output: Live, model_output: torch.Tensor | None) -> torch.Tensor:
