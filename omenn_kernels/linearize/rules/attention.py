@@ -143,17 +143,14 @@ class _ModelAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_weights: torch.Tensor | None, grad_out: torch.Tensor | None):
+    def backward(ctx, grad_weights: torch.Tensor, grad_out: torch.Tensor):
         q, k, v, weights = ctx.saved_tensors
-        grad_weights = None if grad_weights is None else _rows(grad_weights)
-        grad_out = None if grad_out is None else _rows(grad_out)
-        grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        grad_weights, grad_out = _rows(grad_weights), _rows(grad_out)  # materialized: zeros where unused
+        grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for rows in _head_chunks(*weights.shape, q):
-            a = weights[rows]
-            grad_a = torch.zeros_like(a) if grad_weights is None else grad_weights[rows].clone()
-            if grad_out is not None:
-                grad_a.baddbmm_(grad_out[rows], v[rows].transpose(-2, -1))
-                torch.bmm(a.transpose(-2, -1), grad_out[rows], out=grad_v[rows])
+            a, product_grad = weights[rows], grad_out[rows]
+            grad_a = torch.baddbmm(grad_weights[rows], product_grad, v[rows].transpose(-2, -1))
+            torch.bmm(a.transpose(-2, -1), product_grad, out=grad_v[rows])
             grad_scores = a * (grad_a - (grad_a * a).sum(-1, keepdim=True)) * ctx.scale
             torch.bmm(grad_scores, k[rows], out=grad_q[rows])
             torch.bmm(grad_scores.transpose(-2, -1), q[rows], out=grad_k[rows])
@@ -188,8 +185,6 @@ def _sdpa(op, *args, held: list, model_result: tuple[torch.Tensor, torch.Tensor]
     if not isinstance(value, Live):
         raise RuleError("the values of the attention do not depend on the input", "R6")
     q, k, mask = held[0], held[1], held[3]
-    if enable_gqa and k.shape[-3] != q.shape[-3]:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     if enable_gqa and value.value.shape[-3] != q.shape[-3]:
         repeat = q.shape[-3] // value.value.shape[-3]
         ones = value.ones if value.ones.shape[-3] == 1 else value.ones.repeat_interleave(repeat, dim=-3)
@@ -198,6 +193,8 @@ def _sdpa(op, *args, held: list, model_result: tuple[torch.Tensor, torch.Tensor]
     if model_result is not None:
         product, weights = model_result
         return attended(weights, value, queries_are_tokens, softmax_rows=True, product=product)
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if (mask is None and not is_causal and queries_are_tokens and q.shape[-2] == k.shape[-2]
             and q.shape[:-2] == k.shape[:-2] == value.value.shape[:-2]
