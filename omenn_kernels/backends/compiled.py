@@ -163,6 +163,8 @@ class CompiledExplanation:
     graph: torch.fx.GraphModule
     run: Callable
     seconds: float  # tracing and compiling
+    # Where ``seconds`` went, stage by stage (see :data:`STAGES`), over every attempt.
+    stages: dict[str, float]
     parameter_derived: ParameterDerived | None  # constants computed from the parameters; refreshed before each run
     packed_kernels: Watch | None  # the model's kernels that packed convolutions read reordered
 
@@ -295,6 +297,12 @@ def _keep(program: LinearizedProgram, key: tuple, compiled: CompiledExplanation 
 
 _FAILED = object()  # a signature whose trace or compilation failed: it runs on the fused backend
 
+# The stages of a compilation, as ``CompiledExplanation.stages`` names them: the trace of the
+# fused explanation (make_fx), the graph passes (shape-only folding, parameter-only hoisting,
+# packed convolutions), the check of the traced graph against the fused explanation, Inductor
+# (the C++ compiler included), and the compiled graph's check run.
+STAGES = ("trace", "passes", "check traced", "inductor", "check compiled")
+
 
 def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
               parameter_gradient: ParameterGradient | None, trained: dict[str, torch.Tensor],
@@ -329,26 +337,39 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     example = [x, *readout.tensors, *trained.values()]  # the images, the read-out's tensors, the trained parameters
     decompositions = traced_as_aten(x.device, differentiable)
 
+    stages = dict.fromkeys(STAGES, 0.0)
+
+    def timed(stage: str, started: float) -> float:
+        now = time.perf_counter()
+        stages[stage] += now - started
+        return now
+
     def traced_and_compiled(pack: bool) -> tuple[torch.fx.GraphModule, Callable | None, tuple | None, str | None,
                                                  tuple]:
+        started = time.perf_counter()
         with traced_forwards():
             graph = make_fx(explanation, decomposition_table=decompositions)(*example)
+        started = timed("trace", started)
         folded = fold_shape_only(graph, example)
         parameter_derived = hoist_parameter_only(graph)
         packed = pack_constant_convolutions(graph) if pack else 0
         scale_gradients_not_kernels(graph.graph)
         graph.recompile()
+        started = timed("passes", started)
         with torch.no_grad():  # values only: the gradient is checked on the compiled graph
             replayed = BackendExplanation(*graph(*example))
         counts = (folded, parameter_derived, packed)
         mismatch = _mismatch(replayed, _detached(expected), x, "traced", exact_order=not decompositions)
+        started = timed("check traced", started)
         if mismatch:  # not worth compiling
             return graph, None, None, mismatch, counts
         compiled = COMPILER(graph, example)
+        started = timed("inductor", started)
         with torch.set_grad_enabled(differentiable):
             result = BackendExplanation(*compiled(*example))
         mismatch = _mismatch(_detached(result), _detached(expected), x, "compiled", exact_order=False) \
             or (_gradient_mismatch(result, expected, list(trained.values()), x) if differentiable else None)
+        timed("check compiled", started)
         return graph, compiled, result, mismatch, counts
 
     # oneDNN's convolutions sum in another order than ATen's: where that moves the explanation
@@ -377,17 +398,19 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
                       "fused backend", RuntimeWarning, stacklevel=5)
         return _FAILED, None
     seconds = time.perf_counter() - start
-    log.info("compiled the explanation of %s for input %s %s and target %s%s in %.1f s (%d aten nodes, "
+    log.info("compiled the explanation of %s for input %s %s and target %s%s in %.1f s (%s; %d aten nodes, "
              "%d shape-only values folded, %d parameter-only values kept, %d convolutions with reordered "
              "kernels)", type(model).__name__, tuple(x.shape),
              x.dtype, readout.kind,
              f", differentiable ({parameter_gradient}, {len(trained)} parameter tensors)" if differentiable else "",
-             seconds, sum(node.op == "call_function" for node in graph.graph.nodes), folded,
+             seconds, ", ".join(f"{stage} {spent:.1f} s" for stage, spent in stages.items()),
+             sum(node.op == "call_function" for node in graph.graph.nodes), folded,
              len(parameter_derived.values) if parameter_derived is not None else 0, packed)
     # The folded kernels are the library's own, changed by refreshes that the C++ side sees.
     derived = {id(value) for value in parameter_derived.values} if parameter_derived is not None else set()
     kernels = [kernel for kernel in constant_kernels(graph) if id(kernel) not in derived]
-    return CompiledExplanation(graph, compiled, seconds, parameter_derived, Watch(kernels) if kernels else None), \
+    return CompiledExplanation(graph, compiled, seconds, stages, parameter_derived,
+                               Watch(kernels) if kernels else None), \
         result
 
 

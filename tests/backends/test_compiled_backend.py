@@ -222,16 +222,22 @@ def test_a_replayed_graph_runs_before_the_input_check_is_read_and_nan_is_still_r
 
 
 def test_a_compilation_is_logged_with_its_time(traced, caplog):
-    """Compile time is reported at INFO, with the input and the kind of target it is for."""
+    """Compile time is reported at INFO, stage by stage, with the input and the kind of target it
+    is for; the compiled explanation keeps the stages' times."""
     model, x = _model("mlp", torch.float64)
+    explainer = Explainer(model, backend="compiled")
     with caplog.at_level(logging.INFO, logger="omenn_kernels.compiled"):
-        Explainer(model, backend="compiled")(x, torch.tensor([1, 0]))
+        explainer(x, torch.tensor([1, 0]))
     (message,) = [r.getMessage() for r in caplog.records if r.name == "omenn_kernels.compiled"]
     expected = re.escape(f"compiled the explanation of {type(model).__name__} for input {tuple(x.shape)} "
                          "torch.float64 and target indices in ")
-    assert re.fullmatch(expected + r"\d+\.\d s \(\d+ aten nodes, \d+ shape-only values folded, "
+    stages = ", ".join(re.escape(stage) + r" \d+\.\d s" for stage in compiled.STAGES)
+    assert re.fullmatch(expected + r"\d+\.\d s \(" + stages + r"; \d+ aten nodes, \d+ shape-only values folded, "
                         r"\d+ parameter-only values kept, \d+ convolutions with reordered kernels\)",
                         message), message
+    (kept,) = compiled.explanations(explainer.program(x)[0]).values()
+    assert tuple(kept.stages) == compiled.STAGES
+    assert all(spent >= 0 for spent in kept.stages.values()) and sum(kept.stages.values()) <= kept.seconds
 
 
 def test_a_failed_compilation_warns_once_and_falls_back(monkeypatch):
