@@ -50,6 +50,7 @@ Read-outs given as a :class:`~omenn_kernels.readout.ReadoutFunction` are traced 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import time
@@ -122,7 +123,10 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
     AOTAutograd; without CUDA graphs there, whose output buffers the next call overwrites
     while a training step's autograd graph still holds them.
     """
+    from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx  # imported on first use: it loads all of Inductor
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     cuda = any(t.is_cuda for t in example)
     differentiable = any(t.requires_grad for t in example)
@@ -133,7 +137,15 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
         log.debug("compiling a graph of %.3g GFLOP with a %s wrapper", flops / 1e9, "C++" if cpp_wrapper else "Python")
 
     def compile_with(cpp_wrapper: bool) -> Callable:
-        with torch.set_grad_enabled(differentiable):
+        # A first-order graph gets a fake mode with a shape environment (of static shapes: the
+        # graph is specialized on its input's), without which Inductor bypasses its on-disk graph
+        # cache and every process generates the graph's code again. Not a differentiable one:
+        # AOTAutograd would then donate the saved buffers to the backward, which the check of
+        # its parameter gradient runs twice.
+        fake_mode = None if differentiable else \
+            FakeTensorMode(shape_env=ShapeEnv(), static_shapes=True, allow_non_fake_inputs=True)
+        with torch.set_grad_enabled(differentiable), \
+                tracing(TracingContext(fake_mode)) if fake_mode is not None else contextlib.nullcontext():
             # On the CPU, Inductor's channels-last layout for convolutions copies every kernel and
             # activation it converts, at a cost in time and memory; it keeps the layout it is given.
             return compile_fx(graph, example, config_patches={"triton.cudagraphs": cuda and not differentiable,

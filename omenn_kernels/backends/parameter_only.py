@@ -108,7 +108,9 @@ def hoist_parameter_only(module: GraphModule) -> ParameterDerived | None:
             kept.copy_(value)
         value = kept
         name = f"_parameter_derived_{index}"
-        module.register_buffer(name, value, persistent=False)
+        # Persistent, as every buffer of the graph: Inductor's cache key pickles the set of non-persistent
+        # names, whose order changes with each process's string hashing, and would miss in every process.
+        module.register_buffer(name, value)
         with graph.inserting_before(node):
             constant = graph.get_attr(name)
         constant.meta.update(node.meta)

@@ -153,7 +153,9 @@ def fold_shape_only(module: GraphModule, example: list[torch.Tensor]) -> int:
         if not isinstance(value, torch.Tensor) or all(user in shape_only for user in node.users):
             continue
         name = f"_shape_only_{folded}"
-        module.register_buffer(name, value.detach(), persistent=False)
+        # Persistent: a set of non-persistent names would change Inductor's cache key with each
+        # process's string hashing (see parameter_only.hoist_parameter_only).
+        module.register_buffer(name, value.detach())
         with module.graph.inserting_before(node):
             constant = module.graph.get_attr(name)
         constant.meta.update(node.meta)

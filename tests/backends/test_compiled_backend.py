@@ -9,6 +9,7 @@ float64, 1e-5 in float32.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import re
@@ -16,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from omenn_kernels import Explainer, InputError, ReadoutFunction, TargetError
@@ -470,6 +472,15 @@ def test_inductor_compiles_the_explanation_and_follows_parameter_updates(wrapper
     run = next(iter(compiled.explanations(program).values())).run
     assert not isinstance(run, torch.fx.GraphModule)
     assert ("inductor_entry" in run.source_code) == (wrapper == "C++")  # the C++ wrapper's entry point
+    # The same architecture with other weights, captured and traced again, reads Inductor's code
+    # back from its on-disk cache (as a new process would) and explains with its own weights.
+    other = randomize_(copy.deepcopy(model), seed=7)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="omenn_kernels")
+        _assert_equal_explanations(Explainer(other, backend="compiled")(x, 2),
+                                   Explainer(other, backend="reference")(x, 2), torch.float32)
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1
 
 
 def test_a_graph_the_cpp_wrapper_cannot_compile_gets_the_python_wrapper_without_a_warning(monkeypatch, caplog):
