@@ -10,13 +10,10 @@ backend runs its traced graph uncompiled (``COMPILER`` is the identity).
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, GPT2Config,
                           GPT2ForSequenceClassification, GPT2LMHeadModel)
 from transformers.pytorch_utils import Conv1D
@@ -24,6 +21,7 @@ from transformers.pytorch_utils import Conv1D
 from omenn_kernels import Explainer, InputError, InputTypeError, TokenExplainer, explain
 from omenn_kernels.backends import compiled
 from omenn_kernels.testing import randomize_
+from test_dispatch_counts import _Counted  # aten ops dispatched, by op
 
 DT = torch.float64
 BACKENDS = ("reference", "fused", "compiled")
@@ -226,16 +224,6 @@ class _Conv1DMean(nn.Module):
         return self.head(F.gelu(self.mix(self.embed(ids))).mean(1))
 
 
-class _AtenCalls(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_conv1d_layers_carry_their_bias_over_padding_through_the_fused_linear():
     """``addmm(b, x, W)`` is R1 as ``F.linear``: a bias at a padding position (no ones, R8') goes
     to the sample's real tokens (R11'), in every backend; the fused backend runs it as
@@ -249,7 +237,7 @@ def test_conv1d_layers_carry_their_bias_over_padding_through_the_fused_linear():
     _check(explanations, logits[:, 3], mask)
     explainer = TokenExplainer(model, backend="fused", layer="embed")
     explainer(ids, 3, attention_mask=mask)
-    with _AtenCalls() as calls:
+    with _Counted() as calls:
         explainer(ids, 3, attention_mask=mask)
     assert calls.ops[torch.ops.omenn.linear_ones.default] == 2
     assert calls.ops[torch.ops.aten.addmm.default] == 0
