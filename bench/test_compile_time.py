@@ -7,7 +7,10 @@ processes share one new ``TORCHINDUCTOR_CACHE_DIR``: the first compiles from the
 cache, the second (another seed: other weights, the same architecture) reads Inductor's
 graph back. Each records its first call (capture, the eager call, trace, passes, checks,
 Inductor), its fastest of three later calls, and the compilation's stages
-(``CompiledExplanation.stages``); ``extra_info`` holds both processes' numbers.
+(``CompiledExplanation.stages``); ``extra_info`` holds both processes' numbers. The first
+process then explains batches of 2, 3 and 6 images, which run the batch-4 graph in chunks:
+each size's first call (with its check against the fused backend) must take at most 3× its
+fastest of two later calls.
 """
 
 from __future__ import annotations
@@ -20,10 +23,19 @@ import tempfile
 import time
 
 MODEL, BATCH = "vit_small_patch16_224", 4
+OTHER_BATCHES = (2, 3, 6)
+NEW_BATCH_FIRST_CALL_LIMIT = 3.0  # a new batch size's first call, in warm calls of that size
+
+
+def _seconds(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
 
 
 def _process(seed: int) -> dict:
-    """One process's numbers (run as ``python bench/test_compile_time.py SEED``)."""
+    """One process's numbers (run as ``python bench/test_compile_time.py SEED``); the first
+    (seed 0) also times batches of other sizes."""
     import timm
     import torch
 
@@ -35,17 +47,19 @@ def _process(seed: int) -> dict:
     model = randomize_(timm.create_model(MODEL), seed=seed).eval()
     x = torch.rand(BATCH, 3, 224, 224)
     explainer = Explainer(model, backend="compiled")
-    start = time.perf_counter()
-    explainer(x, 3)
-    first = time.perf_counter() - start
-    warm = []
-    for _ in range(3):
-        start = time.perf_counter()
-        explainer(x, 3)
-        warm.append(time.perf_counter() - start)
+    first = _seconds(lambda: explainer(x, 3))
+    warm = min(_seconds(lambda: explainer(x, 3)) for _ in range(3))
+    other_batches = {}
+    for size in OTHER_BATCHES if seed == 0 else ():
+        images = torch.rand(size, 3, 224, 224)
+        first_of_size = _seconds(lambda: explainer(images, 3))
+        warm_of_size = min(_seconds(lambda: explainer(images, 3)) for _ in range(2))
+        other_batches[size] = {"first_call_seconds": first_of_size, "warm_call_seconds": warm_of_size,
+                               "ratio": first_of_size / warm_of_size}
     (kept,) = compiled.explanations(explainer.program(x)[0]).values()
-    return {"first_call_seconds": first, "warm_call_seconds": min(warm), "compile_seconds": kept.seconds,
-            "stages_seconds": kept.stages}
+    assert all(kept.batches.values()), kept.batches  # every size ran the batch-4 graph
+    return {"first_call_seconds": first, "warm_call_seconds": warm, "compile_seconds": kept.seconds,
+            "stages_seconds": kept.stages, "other_batches": other_batches}
 
 
 def test_compile_time_cold_and_in_a_new_process(benchmark):
@@ -64,6 +78,8 @@ def test_compile_time_cold_and_in_a_new_process(benchmark):
     benchmark.extra_info.update(results)
     for numbers in results.values():
         assert numbers["compile_seconds"] >= sum(numbers["stages_seconds"].values())
+    for size, numbers in results["empty_cache"]["other_batches"].items():
+        assert numbers["ratio"] <= NEW_BATCH_FIRST_CALL_LIMIT, (size, numbers)
 
 
 if __name__ == "__main__":

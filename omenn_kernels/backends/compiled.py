@@ -20,9 +20,18 @@ Inductor fuses them with their neighbours (:func:`~omenn_kernels.ops.traced_as_a
 Later calls with the same signature run the compiled graph only: no Python per node, no
 rule dispatch. Every call of a signature, the first included, returns the compiled graph's
 numbers (the first one's come from its check run), so results do not depend on which call
-compiled: a resumed bulk run equals an uninterrupted one. A program that serves several
-batch sizes (:func:`~omenn_kernels.capture.capture`) is traced and compiled once
-per batch size, without capturing or linearizing again.
+compiled: a resumed bulk run equals an uninterrupted one.
+
+A program that serves several batch sizes (:func:`~omenn_kernels.capture.capture`) is
+traced and compiled once, at the size of the first batch of a signature: the signature
+holds no batch size. A batch of another size runs that graph in chunks of its size, the
+last chunk filled up with copies of its last sample, whose rows are dropped: samples are
+independent in the eval-mode forward. The first batch of each new size is also explained
+by the fused backend and checked against (as at compile time); a size whose chunked
+explanation does not pass (a forward that mixes samples) runs on the fused backend, with
+one warning. A batch's numbers depend on its samples and on the size the graph was traced
+at, so they do not change between calls; the same batch explained after a first batch of
+another size (a new process, say) can differ by rounding.
 
 The model's parameters enter the graph as the tensors themselves, so in-place updates
 (optimizer steps, ``load_state_dict``, writes through ``.data``) are seen, and the
@@ -56,7 +65,7 @@ import operator
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -66,7 +75,7 @@ from ..capture import CAPTURE_LOCK, bound_tensors
 from ..errors import first_line
 from ..folding import scale_gradients_not_kernels
 from ..linearize.program import LinearizedProgram
-from ..linearize.values import traced_forwards
+from ..linearize.values import channels_last as is_channels_last, traced_forwards
 from ..ops import traced_as_aten
 from ..readout import Readout
 from . import fused
@@ -179,6 +188,13 @@ class CompiledExplanation:
     stages: dict[str, float]
     parameter_derived: ParameterDerived | None  # constants computed from the parameters; refreshed before each run
     packed_kernels: Watch | None  # the model's kernels that packed convolutions read reordered
+    batch: int  # the batch size the graph was traced at: other sizes run it in chunks of this size
+    # Per other batch size run so far, whether its first batch passed the check against the fused backend.
+    batches: dict[int, bool] = field(default_factory=dict)
+
+    def serves(self, batch: int) -> bool:
+        """Whether batches of ``batch`` samples run this graph (once their size is checked)."""
+        return batch == self.batch or self.batches.get(batch, False)
 
     def refresh(self) -> None:
         """Bring what the graph keeps between runs up to date with the model's parameters and buffers."""
@@ -196,22 +212,32 @@ MAX_COMPILED = 8
 
 
 def _signature(x: torch.Tensor, channels_last: bool, readout: Readout, parameter_gradient: ParameterGradient | None,
-               trained: dict[str, torch.Tensor]) -> tuple:
-    """What a compiled explanation is specialized on: the input's shape (a program may serve
-    several batch sizes) and layout (see :func:`~omenn_kernels.backends.layout.runs_channels_last`),
-    the read-out's kind and shape (a
-    read-out function: the function object and its arguments' shapes), autocast (the trace
-    records its casts), and for a differentiable explanation the parameter gradient's kind and
-    the parameters it takes."""
+               trained: dict[str, torch.Tensor], any_batch: bool) -> tuple:
+    """What a compiled explanation is specialized on: the input's shape, its batch size as
+    None where the program serves ``any_batch`` size (see :func:`_per_sample`), and layout
+    (see :func:`~omenn_kernels.backends.layout.runs_channels_last`), the read-out's kind and
+    shape (a read-out function: the function object and its arguments' shapes), autocast (the
+    trace records its casts), and for a differentiable explanation the parameter gradient's
+    kind and the parameters it takes."""
     device = x.device.type
     autocast = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
     differentiation = (parameter_gradient, tuple(trained)) if parameter_gradient is not None else None
     function = readout.target.function if readout.kind == "function" else None
     arguments = readout.target.arguments if function else readout.tensors
+
+    def shape(tensor: torch.Tensor) -> tuple:
+        return (None, *tensor.shape[1:]) if any_batch and _per_sample(tensor, x) else tuple(tensor.shape)
     # A function's arguments that are not tensors are baked into its graph.
-    described = tuple((tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+    described = tuple((shape(a), a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
                       for a in arguments)
-    return (readout.kind, (tuple(x.shape), channels_last), function, described, autocast, differentiation)
+    return (readout.kind, (shape(x), channels_last), function, described, autocast, differentiation)
+
+
+def _per_sample(tensor: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``tensor``, the images ``x`` or one of the read-out's tensors, has one row per
+    sample: its first dimension is the batch's. (Class indices and read-out weights always
+    have; a read-out function's argument that has is taken to be per sample, as labels are.)"""
+    return tensor.dim() > 0 and tensor.shape[0] == x.shape[0]
 
 
 def _compilable(readout: Readout) -> bool:
@@ -256,8 +282,9 @@ def replays(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     if not _compilable(readout):
         return False
     compiled = explanations(program).get(_signature(x, runs_channels_last(program, x), readout, parameter_gradient,
-                                                    _trained(program, model, parameter_gradient)))
-    return compiled is not None and compiled is not _FAILED
+                                                    _trained(program, model, parameter_gradient),
+                                                    program.captured.serves_batch(x.shape[0])))
+    return compiled is not None and compiled is not _FAILED and compiled.serves(x.shape[0])
 
 
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
@@ -271,7 +298,8 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     readout = readout.with_tensors([t.contiguous() for t in readout.tensors])
     trained = _trained(program, model, parameter_gradient)
-    key = _signature(x, channels_last, readout, parameter_gradient, trained)
+    batch = x.shape[0]
+    key = _signature(x, channels_last, readout, parameter_gradient, trained, program.captured.serves_batch(batch))
     compiled = explanations(program).pop(key, None)
     if compiled is None:  # the first call of this signature: eager, then traced, compiled and checked
         expected = fused.explain_batch(program, model, x, readout, parameter_gradient)
@@ -281,15 +309,54 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
         outputs = expected if compiled is _FAILED else _owned(outputs, x, parameter_gradient)
         return in_layout_of(given, channels_last, outputs)
     _keep(program, key, compiled)
-    if compiled is _FAILED:
+    if compiled is _FAILED or compiled.batches.get(batch) is False:
         return in_layout_of(given, channels_last, fused.explain_batch(program, model, x, readout, parameter_gradient))
-    # The graph calls the fused rules' custom ops: not while another thread exports (CAPTURE_LOCK).
-    # A first-order graph holds the backward already and its parameters need none; a
-    # differentiable one records its compiled backward for the caller's loss.
+    if batch != compiled.batch and batch not in compiled.batches:  # the first batch of this size: checked
+        expected = fused.explain_batch(program, model, x, readout, parameter_gradient)
+        outputs = _run(compiled, x, readout, trained, parameter_gradient)
+        mismatch = _mismatch(_detached(outputs), _detached(expected), x, "compiled", exact_order=False) or \
+            (_gradient_mismatch(outputs, expected, list(trained.values()), x) if parameter_gradient else None)
+        compiled.batches[batch] = mismatch is None
+        if mismatch:
+            warnings.warn(f"omenn_kernels: run in chunks of {compiled.batch} samples, the "
+                          f"{mismatch.format(type(model).__name__)} on a batch of {batch}; batches of {batch} "
+                          "run on the fused backend", RuntimeWarning, stacklevel=4)
+            outputs = expected
+        return in_layout_of(given, channels_last, outputs)
+    return in_layout_of(given, channels_last, _run(compiled, x, readout, trained, parameter_gradient))
+
+
+def _run(compiled: CompiledExplanation, x: torch.Tensor, readout: Readout, trained: dict[str, torch.Tensor],
+         parameter_gradient: ParameterGradient | None) -> BackendExplanation:
+    """The compiled graph's explanation of ``x``: one run where the batch has the size the graph
+    was traced at, else one run per chunk of that size, the last chunk filled up with copies of
+    its last sample (and the read-out's rows), whose rows are then dropped.
+
+    The graph calls the fused rules' custom ops: not while another thread exports
+    (CAPTURE_LOCK). A first-order graph holds the backward already and its parameters need
+    none; a differentiable one records its compiled backward for the caller's loss.
+    """
+    inputs = (x, *readout.tensors)
+    per_sample = [_per_sample(tensor, x) for tensor in inputs]
+    batch, size = x.shape[0], compiled.batch
+    chunks = []
     with torch.set_grad_enabled(parameter_gradient is not None), CAPTURE_LOCK:
         compiled.refresh()
-        outputs = compiled.run(x, *readout.tensors, *trained.values())
-    return in_layout_of(given, channels_last, _owned(outputs, x, parameter_gradient))
+        for start in range(0, batch, size):
+            chunk = [_rows(tensor, start, size) if rows else tensor for tensor, rows in zip(inputs, per_sample)]
+            chunks.append(_owned(compiled.run(*chunk, *trained.values()), x, parameter_gradient))
+    if len(chunks) == 1 and batch == size:
+        return chunks[0]
+    return BackendExplanation(*(torch.cat(parts)[:batch] for parts in zip(*chunks)))
+
+
+def _rows(tensor: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """Rows ``start`` to ``start + size`` of ``tensor``, filled up with copies of its last row, in its layout."""
+    rows = tensor[start:start + size]
+    if rows.shape[0] == size:
+        return rows
+    filled = torch.cat([rows, rows[-1:].expand(size - rows.shape[0], *rows.shape[1:])])
+    return filled.contiguous(memory_format=torch.channels_last) if is_channels_last(tensor) else filled
 
 
 def _owned(outputs, x: torch.Tensor, parameter_gradient: ParameterGradient | None) -> BackendExplanation:
@@ -422,7 +489,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     derived = {id(value) for value in parameter_derived.values} if parameter_derived is not None else set()
     kernels = [kernel for kernel in constant_kernels(graph) if id(kernel) not in derived]
     return CompiledExplanation(graph, compiled, seconds, stages, parameter_derived,
-                               Watch(kernels) if kernels else None), \
+                               Watch(kernels) if kernels else None, x.shape[0]), \
         result
 
 

@@ -172,21 +172,22 @@ def test_compiled_explanations_follow_every_change_of_the_parameters(compiler, m
             assert relative_distance(getattr(got, field), getattr(want, field)) <= 1e-10, field
 
 
-def test_the_graphs_of_two_batch_sizes_share_the_kept_values(monkeypatch):
-    """One folded kernel per convolution, whatever the number of signatures, each graph still
-    following the parameters."""
+def test_the_graphs_of_two_signatures_share_the_kept_values(monkeypatch):
+    """One folded kernel per convolution, whatever the number of signatures (here a class index
+    and read-out weights), each graph still following the parameters."""
     monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
     model = randomize_(_ConvNet().double(), seed=4).eval()
     explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
-    images = [torch.randn(batch, 3, 8, 8, dtype=torch.float64) for batch in (2, 3)]
-    for x in images:
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    targets = [1, torch.randn(model(x).shape[1], dtype=torch.float64)]
+    for target in targets:
         for _ in range(2):
-            explainer(x, 1)
-    program, _ = explainer.program(images[0])
+            explainer(x, target)
+    program, _ = explainer.program(x)
     first, second = (explanation.parameter_derived.values for explanation in compiled.explanations(program).values())
     assert len(first) == 4 and all(a is b for a, b in zip(first, second))
     _changed_in_every_way(model)
-    for x in images:
-        got, want = explainer(x, 1), reference(x, 1)
+    for target in targets:
+        got, want = explainer(x, target), reference(x, target)
         for field in ("weight", "bias", "logit"):
             assert relative_distance(getattr(got, field), getattr(want, field)) <= 1e-10, field

@@ -55,9 +55,9 @@ def _loss(explanation) -> torch.Tensor:
     return loss
 
 
-def _assert_matches_reference(model, x, explanation, parameter_gradient: str) -> None:
+def _assert_matches_reference(model, x, explanation, parameter_gradient: str, target=TARGET) -> None:
     params = [p for p in model.parameters() if p.requires_grad]
-    reference = Explainer(model)(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
+    reference = Explainer(model)(x, target, create_graph=True, parameter_gradient=parameter_gradient)
     for field in ("contribution", "weight", "bias", "logit", "logits"):
         _assert_close(getattr(explanation, field).detach(), getattr(reference, field).detach())
     assert explanation.logits.requires_grad == reference.logits.requires_grad
@@ -66,13 +66,13 @@ def _assert_matches_reference(model, x, explanation, parameter_gradient: str) ->
         _assert_close(actual, expected)
 
 
-def _compiled_call(explainer: Explainer, x, parameter_gradient: str, monkeypatch):
+def _compiled_call(explainer: Explainer, x, parameter_gradient: str, monkeypatch, target=TARGET):
     """The second call of a signature, with the fused backend made unreachable."""
     def unreachable(*args, **kwargs):
         raise AssertionError("the fused backend ran on a compiled signature")
     with monkeypatch.context() as patch:
         patch.setattr(fused, "explain_batch", unreachable)
-        return explainer(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
+        return explainer(x, target, create_graph=True, parameter_gradient=parameter_gradient)
 
 
 @pytest.mark.parametrize("parameter_gradient", ["total", "fixed_multipliers"])
@@ -97,6 +97,23 @@ def test_inductor_compiled_training_matches_reference(monkeypatch, family, param
         explainer(x, TARGET, create_graph=True, parameter_gradient=parameter_gradient)
         explanation = _compiled_call(explainer, x, parameter_gradient, monkeypatch)
     _assert_matches_reference(model, x, explanation, parameter_gradient)
+
+
+def test_a_batch_of_another_size_runs_the_graph_in_chunks(traced, monkeypatch):
+    """Traced at 2 samples, a batch of 3 runs in two chunks, the second filled up with a copy of
+    its sample: values and parameter gradients of the reference at 3."""
+    model, x = MODELS["cnn"]()
+    explainer = Explainer(model, backend="compiled")
+    explainer(x, TARGET, create_graph=True)
+    x, target = torch.cat([x, x[:1].flip(-1)]), torch.tensor([1, 3, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        first = explainer(x, target, create_graph=True)
+        second = _compiled_call(explainer, x, "total", monkeypatch, target)
+    (explanation,) = compiled.explanations(explainer.program(x)[0]).values()
+    assert explanation.batch == 2 and explanation.batches == {3: True}
+    _assert_matches_reference(model, x, first, "total", target)
+    _assert_matches_reference(model, x, second, "total", target)
 
 
 def test_the_differentiable_graph_keeps_the_convolutions_input_gradient_an_op(traced, monkeypatch):
