@@ -160,10 +160,10 @@ class Explainer:
             value per pixel, fused ops), ``"compiled"`` (the fused explanation traced once per
             input and target signature into one graph and compiled with Inductor; the
             first call of a signature runs eagerly and compiles, with ``create_graph`` too;
-            read-outs given as functions run on ``"fused"``) or ``"auto"``, the default: the
-            backend the committed benchmarks show fastest for the input's device type,
-            ``"fused"`` on the CPU and ``"reference"`` on CUDA (see
-            :func:`omenn_kernels.backends.resolved_name`).
+            one graph serves every batch size; read-outs given as functions run on
+            ``"fused"``) or ``"auto"``, the default: on the CPU ``"fused"`` until a
+            signature's calls have taken two minutes, then ``"compiled"`` for first-order
+            explanations (:mod:`omenn_kernels.backends.tiered`); ``"reference"`` on CUDA.
         output: which tensor of the model's output holds the logits: None (default) for
             the output itself, the first element of a tuple or list, or the ``"logits"``
             entry of a dict or ``ModelOutput``; an index or a key (``output=1``,

@@ -279,12 +279,19 @@ _EXPLANATIONS: weakref.WeakKeyDictionary[LinearizedProgram, dict[tuple, Compiled
 def replays(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
             parameter_gradient: ParameterGradient | None = None) -> bool:
     """Whether :func:`explain_batch` of these arguments only runs a graph compiled earlier."""
-    if not _compilable(readout):
-        return False
-    compiled = explanations(program).get(_signature(x, runs_channels_last(program, x), readout, parameter_gradient,
-                                                    _trained(program, model, parameter_gradient),
-                                                    program.captured.serves_batch(x.shape[0])))
+    key = signature(program, model, x, readout, parameter_gradient)
+    compiled = None if key is None else explanations(program).get(key)
     return compiled is not None and compiled is not _FAILED and compiled.serves(x.shape[0])
+
+
+def signature(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+              parameter_gradient: ParameterGradient | None = None) -> tuple | None:
+    """The signature whose graph explains these arguments (see :func:`_signature`), or None where
+    the read-out is not traced (:func:`explain_batch` runs it on the fused backend)."""
+    if not _compilable(readout):
+        return None
+    return _signature(x, runs_channels_last(program, x), readout, parameter_gradient,
+                      _trained(program, model, parameter_gradient), program.captured.serves_batch(x.shape[0]))
 
 
 def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,

@@ -430,7 +430,7 @@ class _BatchExplainer:
         self.device = device
         self.autocast = AUTOCAST_DTYPES[config.dtype]
         self.store_dtype = STORE_DTYPES[config.store_dtype]
-        self.backend = backends.Backend(config.backend)
+        self.backend = backends.Backend(backends.resolved_name(config.backend, device))
 
     def _readout_weights(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """The (B, T, K) read-out weights of the target specification for a batch's logits."""
@@ -533,7 +533,9 @@ def _explain_folder(config: RunConfig, rank: int, world: int, device: torch.devi
                         num_classes=config.num_classes)
     loaded.model.to(device)
     image_shape = tuple(loaded.data_config["input_size"])
-    explainer = Explainer(loaded.model, backend=config.backend)
+    # auto's eager backend, not its tiers: a batch's numbers must not depend on when a compilation
+    # would pay off, so that a resumed run equals an uninterrupted one.
+    explainer = Explainer(loaded.model, backend=backends.resolved_name(config.backend, device))
     # Captured once, on the batch shape every batch is padded to.
     _, classes = explainer.program(torch.zeros(config.batch_size, *image_shape, device=device))
     spec.check(classes, has_labels=images.has_labels)

@@ -124,7 +124,8 @@ def test_auto_backend_is_the_fused_one_on_the_cpu():
 
 
 def test_auto_backend_runs_the_reference_off_the_cpu(monkeypatch):
-    """On CUDA (any device but the CPU) ``auto`` is the reference, the faster one measured there.
+    """On CUDA (any device but the CPU) ``auto`` is the reference, the faster one measured there;
+    on the CPU it tiers from fused to compiled (``test_tiered.py``).
 
     The choice is made from the input's device alone; a meta tensor stands for a GPU one.
     """
@@ -132,10 +133,10 @@ def test_auto_backend_runs_the_reference_off_the_cpu(monkeypatch):
 
     ran = []
     monkeypatch.setattr(backends.reference, "explain_batch", lambda *args: ran.append("reference"))
-    monkeypatch.setattr(backends.fused, "explain_batch", lambda *args: ran.append("fused"))
+    monkeypatch.setattr(backends.tiered, "explain_batch", lambda *args: ran.append("tiered"))
     backends.Backend("auto").explain(None, None, torch.empty(1, 3, 4, 4, device="meta"), None)
     backends.Backend("auto").explain(None, None, torch.empty(1, 3, 4, 4), None)
-    assert ran == ["reference", "fused"]
+    assert ran == ["reference", "tiered"]
 
 
 def test_fused_backend_runs_the_fused_ops(monkeypatch):
