@@ -1,9 +1,11 @@
-"""The ``omenn`` command: ``demo``, ``explain`` (a folder into a store) and ``show`` (overlays).
+"""The ``omenn`` command: ``build`` (the C++ CPU kernels), ``demo``, ``explain`` (a folder into a
+store) and ``show`` (overlays).
 
 Exit codes: 0 done; 1 a defect, an error that is not about the input (traceback
 logged); 2 a usage or input error: a bad option, or any :class:`~omenn_kernels.errors.OmennError`
 (a one-line reason on stderr that names the value, file or folder); 3 done, but some
-images could not be read (recorded as failed in the store); 130 interrupted by Ctrl-C or
+images could not be read (recorded as failed in the store); 4 the C++ CPU kernels could not
+be built (the reason on stderr; the library works without them); 130 interrupted by Ctrl-C or
 SIGTERM (finished batches are kept: run the same command again to resume).
 """
 
@@ -24,13 +26,13 @@ from .cpu_memory import keep_freed_memory
 from .errors import OmennError
 from .bulk.store import STORE_DTYPES, check_components
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FAILED_IMAGES, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_FAILED_IMAGES, EXIT_NO_KERNELS, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 
 log = logging.getLogger("omenn_kernels.cli")
 
 _EPILOG = """exit codes: 0 done; 1 unexpected error (a defect: please report it); 2 usage or input error;
-3 done with unreadable images (recorded as failed); 130 interrupted by Ctrl-C or SIGTERM (run again
-to resume)"""
+3 done with unreadable images (recorded as failed); 4 the C++ kernels could not be built; 130 interrupted
+by Ctrl-C or SIGTERM (run again to resume)"""
 
 
 def _components(text: str) -> tuple[str, ...]:
@@ -66,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     common.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only, no progress bar")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    commands.add_parser("build", parents=[common], epilog=_EPILOG,
+                        help="build the C++ CPU kernels now (once per machine and torch version; else the "
+                        "fused backend's first call builds them)")
 
     demo = commands.add_parser("demo", parents=[common], help="offline demo: the shipped model on drawn images "
                                "→ overlays and a completeness report", epilog=_EPILOG)
@@ -157,6 +163,26 @@ def _explain(args: argparse.Namespace) -> int:
     return EXIT_FAILED_IMAGES if summary.totals.get("failed") else EXIT_OK
 
 
+def _build() -> int:
+    """Build and load the C++ CPU kernels, saying how long it took and where torch caches them."""
+    import time
+
+    from .native import NAME, load_cpu_kernels
+
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")
+    log.info("building the C++ CPU kernels (%s; a minute or more the first time)", NAME)
+    start = time.perf_counter()
+    try:
+        load_cpu_kernels()
+    except RuntimeError as error:
+        print(f"omenn build: error: {_one_line(str(error))}. omenn_kernels works without them: the fused "
+              "backend then runs its ops' PyTorch math on the CPU, more slowly", file=sys.stderr)
+        return EXIT_NO_KERNELS
+    print(f"omenn build: the C++ CPU kernels {NAME} are built and loaded ({time.perf_counter() - start:.0f} s; "
+          f"torch keeps them in {cache} for later processes)")
+    return EXIT_OK
+
+
 def _show(args: argparse.Namespace) -> int:
     from .bulk.overlays import write_overlays
     from .bulk.store import AttributionStore
@@ -197,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         log.debug("glibc keeps freed memory: %s", keep_freed_memory())
     try:
         with _terminate_as_interrupt():
+            if args.command == "build":
+                return _build()
             if args.command == "demo":
                 from .demo import run_demo
 

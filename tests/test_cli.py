@@ -17,7 +17,7 @@ import torch
 
 from omenn_kernels.bulk import AttributionStore
 from omenn_kernels.bulk.store import EXPLAINED, PENDING
-from omenn_kernels.cli import EXIT_FAILED_IMAGES, EXIT_OK, EXIT_USAGE, main
+from omenn_kernels.cli import EXIT_FAILED_IMAGES, EXIT_NO_KERNELS, EXIT_OK, EXIT_USAGE, main
 from omenn_kernels.demo import draw_images
 from omenn_kernels.testing import randomize_
 
@@ -51,6 +51,17 @@ def many_images(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("many") / "images"
     draw_images(folder, 160)
     return folder
+
+
+def test_build_loads_the_kernels_or_says_why_not(tmp_path, capsys):
+    assert main(["build", "-q"]) == EXIT_OK
+    assert "are built and loaded" in capsys.readouterr().out
+    # A new process with no compiler and an empty extensions cache: exit 4 and the reason.
+    environment = {**os.environ, "CXX": str(tmp_path / "no-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "omenn_kernels.cli", "build", "-q"], env=environment,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == EXIT_NO_KERNELS, done.stderr
+    assert "no C++ compiler" in done.stderr and "works without them" in done.stderr
 
 
 def test_demo(tmp_path):
