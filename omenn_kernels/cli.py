@@ -232,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                                 progress=not args.quiet)
             return _explain(args) if args.command == "explain" else _show(args)
     except KeyboardInterrupt:
-        log.error("interrupted; finished batches are in the store: run the same command again to resume")
+        log.error("interrupted; %s", {
+            "explain": "finished batches are in the store: run the same command again to resume",
+            "demo": f"{args.out} may hold part of the demo: remove it, or pass another --out",
+        }.get(args.command, "run the same command again"))
         return EXIT_INTERRUPTED
     except OmennError as error:
         print(f"omenn {args.command}: error: {_one_line(str(error))}", file=sys.stderr)

@@ -102,36 +102,6 @@ def test_one_compiled_graph_serves_batch_sizes_2_to_9(counted, monkeypatch):
         assert explanation.batches == dict.fromkeys((2, 9, 3, 7, 5, 8, 6), True)
 
 
-class _MixesSamples(nn.Module):
-    """A forward in which every sample's logits depend on the others (centred over the batch)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3, padding=1)
-        self.head = nn.Linear(4 * 6 * 6, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = torch.relu(self.conv(x)).flatten(1)
-        return self.head(hidden - hidden.mean(0, keepdim=True))
-
-
-def test_a_forward_that_mixes_samples_is_not_run_in_chunks(monkeypatch):
-    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
-    torch.manual_seed(8)
-    model = randomize_(_MixesSamples(), seed=8).double().eval()
-    explainer = Explainer(model, backend="compiled")
-    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
-    _check(explainer(x, 1), Explainer(model, backend="reference")(x, 1))
-    x = torch.randn(3, 3, 6, 6, dtype=torch.float64)
-    with pytest.warns(RuntimeWarning, match="run in chunks of 4 samples, .* on a batch of 3; batches of 3 run on the "
-                                            "fused backend"):
-        _check(explainer(x, 1), Explainer(model, backend="reference")(x, 1))
-    _check(explainer(x, 1), Explainer(model, backend="reference")(x, 1))
-    (program, _), = explainer._programs.values()
-    (explanation,) = compiled.explanations(program).values()
-    assert explanation.batches == {3: False}
-
-
 def test_a_batch_of_one_has_its_own_capture(counted):
     family = FAMILIES["cnn"]
     torch.manual_seed(4)
@@ -165,6 +135,31 @@ def test_a_forward_that_fixes_its_batch_size_is_captured_per_size(counted):
     assert key[0] == (4, 3, 6, 6)  # not shared with other batch sizes
     with pytest.raises(Exception, match="shape"):
         explainer(torch.randn(3, 3, 6, 6, dtype=torch.float64), 0)  # the model's own forward fails on it
+
+
+class _MixesSamples(_FixedBatch):
+    """A forward in which every sample's logits depend on the others (centred over the batch)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.conv(x)).flatten(1)
+        return self.head(hidden - hidden.mean(0, keepdim=True))
+
+
+def test_a_forward_that_mixes_samples_is_not_run_in_chunks(monkeypatch):
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
+    torch.manual_seed(8)
+    model = randomize_(_MixesSamples(), seed=8).double().eval()
+    explainer = Explainer(model, backend="compiled")
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    _check(explainer(x, 1), Explainer(model, backend="reference")(x, 1))
+    x = torch.randn(3, 3, 6, 6, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="run in chunks of 4 samples, .* on a batch of 3; batches of 3 run on the "
+                                            "fused backend"):
+        _check(explainer(x, 1), Explainer(model, backend="reference")(x, 1))
+    _check(explainer(x, 1), Explainer(model, backend="reference")(x, 1))
+    (program, _), = explainer._programs.values()
+    (explanation,) = compiled.explanations(program).values()
+    assert explanation.batches == {3: False}
 
 
 class _BranchOnBatch(_FixedBatch):
