@@ -7,23 +7,28 @@ token's contribution ``C = Σ_d C_w ⊙ E + C_b`` (B, T) sums over the tokens to
 
 The model runs as it does on its ids: a forward hook puts the explained embeddings in
 place of the layer's output, and the ids, the attention mask and any other keyword input
-are held constant (buffers of a module that wraps the model, one per input shape, so a
-new sequence length is captured on its own without any action of the caller).
+are held constant (buffers of a module that wraps the model, one per input shape). A
+batch is padded to one of a few lengths and run in chunks of one size (see
+:class:`TokenExplainer`), so that one capture and compilation serves many lengths and
+batch sizes; a new length or batch size needs no action of the caller.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+import warnings
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from .api import MAX_PROGRAMS, Explainer, Explanation, Target
+from .backends.compiled import batch_rows, relative_distance
 from .backends.executor import ParameterGradient
 from .capture import OutputSelector, checked_selector, selected_output
-from .errors import InputError, InputTypeError, OutputError
+from .errors import InputError, InputTypeError, OmennError, OutputError
+from .readout import Readout, checked_readout
 
 
 def embedding_layer(model: torch.nn.Module, layer: str | torch.nn.Module | None) -> torch.nn.Module:
@@ -221,6 +226,27 @@ class _OnEmbeddings(torch.nn.Module):
         return at_positions.gather(2, self.tokens.reshape(batch, steps, 1)).squeeze(2)
 
 
+def bucket(length: int, longest: int | None = None) -> tuple[int, int]:
+    """The length a batch of ``length`` tokens is padded to, the smallest of 8, 12, 16, 24,
+    32, 48, … (``2^k`` and ``3·2^(k−1)``) that holds it, at most ``longest`` (the model's
+    positions) but never below ``length``; and the bucket below it (0 for the first), which
+    every length of this one exceeds."""
+    below, padded = 0, SHORTEST_BUCKET
+    while padded < length:
+        below, padded = padded, padded * 3 // 2 if padded & (padded - 1) == 0 else padded * 4 // 3
+    if longest is not None and padded > longest:
+        padded = max(length, longest)
+    return padded, below
+
+
+# The shortest bucket: shorter batches are padded to it.
+SHORTEST_BUCKET = 8
+# How far the logits of a padded batch may be from the model's own on the batch as given
+# (relative, Frobenius): rounding only. Padding under the attention mask changes nothing else.
+_PADDED_LOGITS_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
+_HALF_PADDED_LOGITS_TOLERANCE = 5e-2
+
+
 class TokenExplainer:
     """Explains a model that takes token ids, one contribution per token.
 
@@ -230,12 +256,25 @@ class TokenExplainer:
     ``position``, by default each sequence's last real token (the next-token logit, with
     left or right padding); for a sequence classifier (B, K), the model's logits.
 
+    Lengths and batch sizes: a model that takes an ``attention_mask`` is run on batches
+    padded on the right, under the mask, to one of a few lengths (8, 12, 16, 24, 32, …,
+    see :func:`bucket`), and in chunks of the first batch's size (the last chunk filled up
+    with copies of its last sequence), so that one capture, and with ``backend="compiled"``
+    one compilation, serves every length of a bucket and every batch size. The padding and
+    the copies are dropped from the explanation; padding tokens contribute exactly 0
+    (R8'), so nothing changes but rounding. The first batch of each new length and size
+    is checked against the model's own logits on the batch as given; a model whose logits
+    change under padding (a mean over every position, the padding included, say) is from
+    then on explained at each length and batch size on its own, after one warning.
+
     Args:
         model: a Hugging Face model (``input_ids``, ``attention_mask``,
             ``get_input_embeddings()``) or any module whose forward takes the ids first.
         layer: the embedding layer to explain at: a submodule or its dotted name; None for
             ``model.get_input_embeddings()``.
         backend, output: as in :class:`~omenn_kernels.Explainer`.
+        pad_to_buckets: False explains each length and batch size on its own (one capture,
+            or compilation, each), with no padding.
 
     Example:
         >>> explainer = TokenExplainer(causal_lm)
@@ -244,20 +283,31 @@ class TokenExplainer:
     """
 
     def __init__(self, model: torch.nn.Module, *, layer: str | torch.nn.Module | None = None,
-                 backend: str = "auto", output: OutputSelector = None) -> None:
+                 backend: str = "auto", output: OutputSelector = None, pad_to_buckets: bool = True) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.layer = embedding_layer(model, layer)
         self.backend = backend
         self.output = checked_selector(output)
-        # use_cache=False: a key-value cache is an output the explanation has no use for.
         parameters = inspect.signature(model.forward).parameters
+        # Padding needs a forward that takes the mask that hides it.
+        self.pad_to_buckets = bool(pad_to_buckets) and "attention_mask" in parameters
+        config = getattr(model, "config", None)
+        padding_id = getattr(config, "pad_token_id", None)
+        self._padding_id = padding_id if isinstance(padding_id, int) else 0
+        longest = getattr(config, "max_position_embeddings", None)
+        self._longest = longest if isinstance(longest, int) else None
+        # use_cache=False: a key-value cache is an output the explanation has no use for.
         self._no_cache = {"use_cache": False} if "use_cache" in parameters else {}
         # A Hugging Face LM computes the logits of its last k positions only where asked to.
         self._keeps_logits = "logits_to_keep" in parameters
         # Per input signature, a wrapped model and its Explainer, the least recently used dropped first.
         self._explainers: OrderedDict[tuple, tuple[_OnEmbeddings, Explainer]] = OrderedDict()
+        # Per padded signature without the batch size (and whether the batch is one sequence),
+        # the batch size its chunks have; and the (signature, batch size, length) checked.
+        self._chunk_sizes: dict[tuple, int] = {}
+        self._checked: set[tuple] = set()
         self._lock = threading.RLock()
 
     def __call__(self, input_ids: torch.Tensor, target: Target = None, *, attention_mask: torch.Tensor | None = None,
@@ -275,7 +325,8 @@ class TokenExplainer:
                 sequence's last real token.
             create_graph, parameter_gradient: as in :meth:`Explainer.__call__`.
             **inputs: other keyword inputs of the model, held constant (tensors with the
-                batch first, or plain values such as ``output_attentions=False``).
+                batch first, or plain values such as ``output_attentions=False``); a
+                tensor (B, T, …) is padded with zeros as the ids are.
 
         Returns:
             An :class:`Explanation` with ``contribution`` and ``bias`` (B, T), ``weight``
@@ -286,9 +337,8 @@ class TokenExplainer:
         mask = _checked_mask(attention_mask, input_ids)
         positions = _checked_positions(position, input_ids, mask)
         with self._lock:
-            wrapped, explainer = self._prepared(input_ids, mask, inputs, positions, None)
-            return explainer(wrapped.layer_output(), target, create_graph=create_graph,
-                             parameter_gradient=parameter_gradient)
+            return self._explained(input_ids, mask, inputs, positions, None, target, create_graph,
+                                   parameter_gradient)
 
     def explain_generation(self, input_ids: torch.Tensor, generated: int, *,
                            attention_mask: torch.Tensor | None = None, create_graph: bool = False,
@@ -322,25 +372,111 @@ class TokenExplainer:
                              "padding (a continuation is contiguous)")
         tokens = input_ids.gather(1, at)
         with self._lock:
-            wrapped, explainer = self._prepared(input_ids, mask, inputs, at - 1, tokens)
-            embeddings = wrapped.layer_output()
-            readouts = torch.eye(generated, dtype=embeddings.dtype, device=embeddings.device)
-            e = explainer.explain_targets(embeddings, readouts.expand(input_ids.shape[0], generated, generated),
-                                          create_graph=create_graph, parameter_gradient=parameter_gradient)
+            e = self._explained(input_ids, mask, inputs, at - 1, tokens, None, create_graph, parameter_gradient)
         return Explanation(e.contribution, e.weight, e.bias, e.logit, tokens, e.logits)
 
-    def _prepared(self, input_ids: torch.Tensor, mask: torch.Tensor | None, inputs: dict[str, Any],
-                  positions: torch.Tensor, tokens: torch.Tensor | None) -> tuple[_OnEmbeddings, Explainer]:
-        """The wrapped model for this input signature, its buffers set to these inputs, and its Explainer."""
+    def _explained(self, input_ids: torch.Tensor, mask: torch.Tensor | None, inputs: dict[str, Any],
+                   positions: torch.Tensor, tokens: torch.Tensor | None, target: Target,
+                   create_graph: bool, parameter_gradient: ParameterGradient) -> Explanation:
+        """The explanation of ``target`` at ``positions`` (or of ``tokens``, a generation),
+        padded to a bucket where the model allows it, else on the batch as given."""
+        tensors, settings = self._model_inputs(input_ids, mask, inputs)
+        failure = None
+        if self.pad_to_buckets:
+            try:
+                padded = self._padded(tensors, settings, positions, tokens, target, create_graph, parameter_gradient)
+            except OmennError:
+                raise
+            except Exception as error:  # a forward that cannot take the padded batch (a table of positions)
+                padded, failure = None, f"it fails on the padded batch ({type(error).__name__}: {error})"
+            if padded is not None:
+                return padded
+        settings, positions = self._logits_kept(settings, positions, input_ids.shape[1], None)
+        wrapped, explainer = self._prepared(tensors, settings, positions, tokens)
+        explanation = self._run(explainer, wrapped.layer_output(), target, tokens, create_graph, parameter_gradient)
+        if failure is not None:  # the model runs on the batch as given: its own failure is not the cause
+            self._stop_padding(failure, stacklevel=3)
+        return explanation
+
+    def _padded(self, tensors: dict[str, torch.Tensor], settings: dict[str, Any], positions: torch.Tensor,
+                tokens: torch.Tensor | None, target: Target, create_graph: bool,
+                parameter_gradient: ParameterGradient) -> Explanation | None:
+        """The explanation of the batch padded to its bucket and run in chunks, or None (after
+        one warning) where its logits are not the model's own on the batch as given."""
+        batch, length = tensors["input_ids"].shape
+        padded_length, below = bucket(length, self._longest)
+        padded = {}
+        for name, tensor in tensors.items():
+            if tensor.dim() >= 2 and tensor.shape[1] == length:  # one value per token
+                fill = self._padding_id if name == "input_ids" else 0
+                padding = tensor.new_full((batch, padded_length - length, *tensor.shape[2:]), fill)
+                tensor = torch.cat([tensor, padding], 1)
+            padded[name] = tensor
+        if "attention_mask" not in padded:
+            padded["attention_mask"] = (torch.arange(padded_length, device=positions.device) < length).long() \
+                .expand(batch, padded_length)
+        kept, kept_positions = self._logits_kept(settings, positions, padded_length, below)
+        family = self._signature(padded, kept, tokens, with_batch=False)
+        size = self._chunk_sizes.setdefault((family, batch == 1), batch)
+        readout = None
+        parts = []
+        for start in range(0, batch, size):
+            wrapped, explainer = self._prepared({name: batch_rows(t, start, size) for name, t in padded.items()},
+                                                kept, batch_rows(kept_positions, start, size),
+                                                None if tokens is None else batch_rows(tokens, start, size))
+            embeddings = wrapped.layer_output()
+            rows = target
+            if batch != size and tokens is None and target is not None:  # checked once, for the whole batch
+                if readout is None:
+                    readout = checked_readout(target, batch, explainer.program(embeddings)[1],
+                                              embeddings.device)
+                rows = Readout(batch_rows(readout.target, start, size))
+            parts.append(self._run(explainer, embeddings, rows, tokens, create_graph, parameter_gradient))
+        explanation = _joined(parts, batch, length)
+        checked = (family, batch, length)
+        if checked not in self._checked:
+            own = self._own_logits(tensors, settings, positions, tokens)
+            distance = relative_distance(explanation.logits, own)
+            tolerance = _PADDED_LOGITS_TOLERANCE.get(own.dtype, _HALF_PADDED_LOGITS_TOLERANCE)
+            if distance > tolerance:
+                self._stop_padding(f"its logits on a batch padded to {padded_length} tokens under the attention "
+                                   f"mask{f' and run in chunks of {size}' if size != batch else ''} differ from "
+                                   f"those on the batch as given by {distance:.1e} (relative)", stacklevel=4)
+                return None
+            self._checked.add(checked)
+        return explanation
+
+    def _own_logits(self, tensors: dict[str, torch.Tensor], settings: dict[str, Any], positions: torch.Tensor,
+                    tokens: torch.Tensor | None) -> torch.Tensor:
+        """The explained logits of the model's own forward on the batch as given."""
+        settings, positions = self._logits_kept(settings, positions, tensors["input_ids"].shape[1], None)
+        wrapped = _OnEmbeddings(self.model, self.layer, self.output, tensors, settings, positions, tokens)
+        with torch.no_grad():
+            return wrapped(wrapped.layer_output())
+
+    def _stop_padding(self, reason: str, stacklevel: int) -> None:
+        self.pad_to_buckets = False
+        warnings.warn(f"omenn_kernels: {type(self.model).__name__} is explained at each sequence length and batch "
+                      f"size on its own from now on (one capture each): {reason}", RuntimeWarning,
+                      stacklevel=stacklevel + 1)
+
+    def _run(self, explainer: Explainer, embeddings: torch.Tensor, target: Target | Readout,
+             tokens: torch.Tensor | None, create_graph: bool, parameter_gradient: ParameterGradient) -> Explanation:
+        """``explainer``'s explanation of ``target``, or of each of the ``tokens`` (a generation)."""
+        if tokens is None:
+            return explainer(embeddings, target, create_graph=create_graph, parameter_gradient=parameter_gradient)
+        steps = tokens.shape[1]
+        readouts = torch.eye(steps, dtype=embeddings.dtype, device=embeddings.device)
+        return explainer.explain_targets(embeddings, readouts.expand(embeddings.shape[0], steps, steps),
+                                         create_graph=create_graph, parameter_gradient=parameter_gradient)
+
+    def _model_inputs(self, input_ids: torch.Tensor, mask: torch.Tensor | None,
+                      inputs: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The model's tensor inputs (ids first) and its other keyword inputs, checked."""
         tensors = {"input_ids": input_ids}
         if mask is not None:
             tensors["attention_mask"] = mask
         settings = dict(self._no_cache)
-        if self._keeps_logits and "logits_to_keep" not in inputs and bool((positions == positions.min()).all()):
-            # Every sequence explains the same positions (no or left padding): the LM head
-            # runs on the last positions from the first explained one, not on all T.
-            settings["logits_to_keep"] = input_ids.shape[1] - int(positions.min())
-            positions = positions - int(positions.min())
         for name, value in inputs.items():
             if name in ("input_ids", "inputs_embeds"):
                 raise InputError(f"{name} is the explained input; pass the ids as the first argument")
@@ -351,8 +487,35 @@ class TokenExplainer:
                 tensors[name] = value.to(input_ids.device)
             else:
                 settings[name] = value
-        key = (tuple((name, tuple(t.shape), t.dtype, t.device) for name, t in tensors.items()),
-               repr(sorted(settings.items())), None if tokens is None else tokens.shape[1])
+        return tensors, settings
+
+    def _logits_kept(self, settings: dict[str, Any], positions: torch.Tensor, length: int,
+                     below: int | None) -> tuple[dict[str, Any], torch.Tensor]:
+        """``settings`` with the LM head run on the last positions of sequences of ``length`` only,
+        from the first explained one, and ``positions`` counted from there; for a padded batch
+        (``below``: the bucket below the one it was padded to), from ``below``, the same for every
+        length of the bucket."""
+        if not self._keeps_logits or "logits_to_keep" in settings:
+            return settings, positions
+        lowest = int(positions.min())
+        if below is None and bool((positions == lowest).all()):  # no or left padding
+            first = lowest
+        elif below is not None and lowest >= below:
+            first = below
+        else:
+            return settings, positions
+        return dict(settings, logits_to_keep=length - first), positions - first
+
+    def _signature(self, tensors: dict[str, torch.Tensor], settings: dict[str, Any], tokens: torch.Tensor | None,
+                   with_batch: bool = True) -> tuple:
+        return (tuple((name, tuple(t.shape) if with_batch else tuple(t.shape[1:]), t.dtype, t.device)
+                      for name, t in tensors.items()),
+                repr(sorted(settings.items())), None if tokens is None else tokens.shape[1])
+
+    def _prepared(self, tensors: dict[str, torch.Tensor], settings: dict[str, Any], positions: torch.Tensor,
+                  tokens: torch.Tensor | None) -> tuple[_OnEmbeddings, Explainer]:
+        """The wrapped model for this input signature, its buffers set to these inputs, and its Explainer."""
+        key = self._signature(tensors, settings, tokens)
         if key in self._explainers:
             self._explainers.move_to_end(key)
             wrapped, explainer = self._explainers[key]
@@ -364,3 +527,15 @@ class TokenExplainer:
         while len(self._explainers) > MAX_PROGRAMS:
             self._explainers.popitem(last=False)
         return wrapped, explainer
+
+
+def _joined(parts: list[Explanation], batch: int, length: int) -> Explanation:
+    """The explanations of a batch's chunks as one of its ``batch`` sequences of ``length`` tokens:
+    the copies filling up the last chunk and the padding tokens (after ``length``) dropped."""
+    def joined(field: str) -> torch.Tensor:
+        values = [getattr(part, field) for part in parts]
+        return (torch.cat(values) if len(values) > 1 else values[0])[:batch]
+    return Explanation(joined("contribution")[..., :length].contiguous(),
+                       joined("weight")[..., :length, :].contiguous(),
+                       joined("bias")[..., :length].contiguous(),
+                       joined("logit"), joined("target"), joined("logits"))

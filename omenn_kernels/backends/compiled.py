@@ -350,14 +350,14 @@ def _run(compiled: CompiledExplanation, x: torch.Tensor, readout: Readout, train
     with torch.set_grad_enabled(parameter_gradient is not None), CAPTURE_LOCK:
         compiled.refresh()
         for start in range(0, batch, size):
-            chunk = [_rows(tensor, start, size) if rows else tensor for tensor, rows in zip(inputs, per_sample)]
+            chunk = [batch_rows(tensor, start, size) if rows else tensor for tensor, rows in zip(inputs, per_sample)]
             chunks.append(_owned(compiled.run(*chunk, *trained.values()), x, parameter_gradient))
     if len(chunks) == 1 and batch == size:
         return chunks[0]
     return BackendExplanation(*(torch.cat(parts)[:batch] for parts in zip(*chunks)))
 
 
-def _rows(tensor: torch.Tensor, start: int, size: int) -> torch.Tensor:
+def batch_rows(tensor: torch.Tensor, start: int, size: int) -> torch.Tensor:
     """Rows ``start`` to ``start + size`` of ``tensor``, filled up with copies of its last row, in its layout."""
     rows = tensor[start:start + size]
     if rows.shape[0] == size:
