@@ -260,7 +260,8 @@ class TokenExplainer:
     padded on the right, under the mask, to one of a few lengths (8, 12, 16, 24, 32, …,
     see :func:`bucket`), and in chunks of the first batch's size (the last chunk filled up
     with copies of its last sequence), so that one capture, and with ``backend="compiled"``
-    one compilation, serves every length of a bucket and every batch size. The padding and
+    one compilation, serves every length of a bucket and every batch size (differentiable
+    explanations, ``create_graph=True``, run each batch size whole). The padding and
     the copies are dropped from the explanation; padding tokens contribute exactly 0
     (R8'), so nothing changes but rounding. The first batch of each new length and size
     is checked against the model's own logits on the batch as given; a model whose logits
@@ -417,7 +418,9 @@ class TokenExplainer:
                 .expand(batch, padded_length)
         kept, kept_positions = self._logits_kept(settings, positions, padded_length, below)
         family = self._signature(padded, kept, tokens, with_batch=False)
-        size = self._chunk_sizes.setdefault((family, batch == 1), batch)
+        # A differentiable explanation's graph holds the wrapped model's inputs until the caller's
+        # backward, so its batch runs whole: a next chunk would overwrite them in place.
+        size = batch if create_graph else self._chunk_sizes.setdefault((family, batch == 1), batch)
         readout = None
         parts = []
         for start in range(0, batch, size):

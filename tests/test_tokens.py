@@ -205,6 +205,16 @@ def test_one_capture_and_compilation_serve_batch_sizes_2_to_9_and_lengths_9_to_1
             torch.testing.assert_close(e.weight, own.weight, rtol=1e-10, atol=1e-12 * float(own.weight.abs().max()))
     assert len(compilations) == 1
     assert len(captures) == 1 + 2  # the two batches explained on their own
+    # Differentiable explanations run a batch whole (a chunk's graph holds the model's inputs).
+    fused = TokenExplainer(model, backend="fused")
+    fused(ids[:2], attention_mask=mask[:2])  # later batches would run in chunks of 2
+    gradients = []
+    for tokens in (fused, on_its_own):
+        model.zero_grad()
+        e = tokens(ids, target, attention_mask=mask, create_graph=True)
+        (e.contribution ** 2).sum().backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(gradients[0], gradients[1], rtol=1e-9, atol=1e-12 * float(gradients[1].abs().max()))
 
 
 class _Pooled(nn.Module):
