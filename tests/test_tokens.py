@@ -340,6 +340,33 @@ def test_a_masked_mean_in_the_model_removes_the_padding_positions(cast):
                                        rtol=1e-10, atol=1e-12)
 
 
+class _Positioned(nn.Module):
+    """Learned positions for 7 tokens and no config: a batch padded to 8 fails (index out of range)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCABULARY, 16)
+        self.positions = nn.Embedding(7, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids, attention_mask):
+        hidden = self.embed(ids) + self.positions(torch.arange(ids.shape[1]))
+        return self.head((hidden * attention_mask.unsqueeze(-1)).sum(1) / attention_mask.sum(1, keepdim=True))
+
+
+def test_a_model_that_fails_on_the_padded_batch_is_explained_as_given():
+    model = randomize_(_Positioned(), seed=27).to(DT).eval()
+    ids, mask = _padded(left=False, seed=28)
+    with torch.no_grad():
+        logits = model(ids, mask)
+    explainer = TokenExplainer(model, backend="fused", layer="embed")
+    with pytest.warns(RuntimeWarning, match=r"_Positioned is explained at each sequence length .* fails on the "
+                                            r"padded batch \(IndexError"):
+        e = explainer(ids, 2, attention_mask=mask)
+    assert not explainer.pad_to_buckets
+    _check({"reference": e}, logits[:, 2], mask)
+
+
 class _Tagger(nn.Module):
     """A model of one's own: ids and a padding mask in, a mean over the real tokens out."""
 
