@@ -20,9 +20,8 @@ import torch
 from omenn_kernels import Explainer
 from omenn_kernels.backends import compiled, tiered
 from omenn_kernels.readout import checked_readout
-from omenn_kernels.testing import FAMILIES, randomize_, relative_distance
-
-TOLERANCE = 1e-10
+from omenn_kernels.testing import FAMILIES, randomize_
+from test_batch_sizes import _check  # every field within 1e-10 relative (Frobenius)
 
 
 @pytest.fixture
@@ -44,11 +43,6 @@ def _model():
 
 def _images(size: int, side: int) -> torch.Tensor:
     return torch.randn(size, 3, side, side, dtype=torch.float64)
-
-
-def _check(got, want) -> None:
-    for field in ("contribution", "weight", "bias", "logit", "logits"):
-        assert relative_distance(getattr(got, field), getattr(want, field)) <= TOLERANCE, field
 
 
 def test_auto_compiles_a_signature_once_it_is_hot(compilations):
