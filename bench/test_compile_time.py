@@ -103,16 +103,21 @@ def _token_process() -> dict:
             "other_shapes": shapes}
 
 
+def _in_a_new_process(argument: str, cache: str) -> dict:
+    """The numbers of ``python bench/test_compile_time.py ARGUMENT`` on the Inductor cache folder ``cache``."""
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+    done = subprocess.run([sys.executable, __file__, argument], env=environment, check=True, capture_output=True,
+                          text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_token_model_lengths_and_batch_sizes_of_one_compilation(benchmark):
     benchmark.group = f"compile-time llama cpu float32 tokens {TOKEN_BATCH[0]}x{TOKEN_BATCH[1]}"
     results = {}
 
     def one():
         with tempfile.TemporaryDirectory() as cache:
-            environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-            done = subprocess.run([sys.executable, __file__, "tokens"], env=environment, check=True,
-                                  capture_output=True, text=True)
-            results.update(json.loads(done.stdout.strip().splitlines()[-1]))
+            results.update(_in_a_new_process("tokens", cache))
 
     benchmark.pedantic(one, rounds=1, iterations=1)
     benchmark.extra_info.update(results)
@@ -127,11 +132,8 @@ def test_compile_time_cold_and_in_a_new_process(benchmark):
 
     def both():
         with tempfile.TemporaryDirectory() as cache:
-            environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
             for name, seed in (("empty_cache", 0), ("new_process_warm_cache", 1)):
-                done = subprocess.run([sys.executable, __file__, str(seed)], env=environment, check=True,
-                                      capture_output=True, text=True)
-                results[name] = json.loads(done.stdout.strip().splitlines()[-1])
+                results[name] = _in_a_new_process(str(seed), cache)
 
     benchmark.pedantic(both, rounds=1, iterations=1)
     benchmark.extra_info.update(results)

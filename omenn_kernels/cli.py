@@ -169,7 +169,9 @@ def _build() -> int:
 
     from .native import NAME, load_cpu_kernels
 
-    cache = os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")
+    from torch.utils.cpp_extension import get_default_build_root
+
+    cache = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     log.info("building the C++ CPU kernels (%s; a minute or more the first time)", NAME)
     start = time.perf_counter()
     try:

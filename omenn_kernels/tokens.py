@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .api import MAX_PROGRAMS, Explainer, Explanation, Target
-from .backends.compiled import batch_rows, relative_distance
+from .backends.compiled import HALF_LOGITS_TOLERANCE, REORDERED_TOLERANCE, batch_rows, relative_distance
 from .backends.executor import ParameterGradient
 from .capture import OutputSelector, checked_selector, selected_output
 from .errors import InputError, InputTypeError, OmennError, OutputError
@@ -241,10 +241,6 @@ def bucket(length: int, longest: int | None = None) -> tuple[int, int]:
 
 # The shortest bucket: shorter batches are padded to it.
 SHORTEST_BUCKET = 8
-# How far the logits of a padded batch may be from the model's own on the batch as given
-# (relative, Frobenius): rounding only. Padding under the attention mask changes nothing else.
-_PADDED_LOGITS_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
-_HALF_PADDED_LOGITS_TOLERANCE = 5e-2
 
 
 class TokenExplainer:
@@ -440,7 +436,9 @@ class TokenExplainer:
         if checked not in self._checked:
             own = self._own_logits(tensors, settings, positions, tokens)
             distance = relative_distance(explanation.logits, own)
-            tolerance = _PADDED_LOGITS_TOLERANCE.get(own.dtype, _HALF_PADDED_LOGITS_TOLERANCE)
+            # Padding under the attention mask changes the logits by rounding only, as another order of
+            # the same sums does.
+            tolerance = REORDERED_TOLERANCE.get(own.dtype, HALF_LOGITS_TOLERANCE)
             if distance > tolerance:
                 self._stop_padding(f"its logits on a batch padded to {padded_length} tokens under the attention "
                                    f"mask{f' and run in chunks of {size}' if size != batch else ''} differ from "

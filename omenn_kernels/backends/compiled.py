@@ -510,10 +510,11 @@ def relative_distance(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
-# Relative (Frobenius) bounds on the difference from the fused backend's explanation.
+# Relative (Frobenius) bounds on the difference from the fused backend's explanation (the reordered
+# ones and the half-precision logits' also bound a padded token batch's logits, see ``tokens``).
 _ORDERED_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}  # the same ops in the same order
-_REORDERED_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}  # fused kernels: other rounding
-_HALF_LOGITS, _HALF_COMPLETENESS = 5e-2, 2e-2
+REORDERED_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}  # fused kernels: other rounding
+HALF_LOGITS_TOLERANCE, _HALF_COMPLETENESS = 5e-2, 2e-2
 
 
 def _mismatch(got: BackendExplanation, want: BackendExplanation, x: torch.Tensor, stage: str,
@@ -529,16 +530,16 @@ def _mismatch(got: BackendExplanation, want: BackendExplanation, x: torch.Tensor
     """
     half = _half_precision(x)
     if half and not exact_order:
-        if relative_distance(got.logits, want.logits) > _HALF_LOGITS:
+        if relative_distance(got.logits, want.logits) > HALF_LOGITS_TOLERANCE:
             return f"{stage} explanation of {{}} gives logits that differ from the fused backend's by more " \
-                   f"than {_HALF_LOGITS:g} relative"
+                   f"than {HALF_LOGITS_TOLERANCE:g} relative"
         error, scale = _completeness(got, x)
         if bool((error > _HALF_COMPLETENESS * scale + 4 * _completeness(want, x)[0]).any()):
             return f"{stage} explanation of {{}} is not complete (Σ C differs from the logit by more than " \
                    f"{_HALF_COMPLETENESS:g} of |Σ C_w·x| + |Σ C_b| + |logit|, four times the fused backend's error " \
                    "added)"
         return None
-    tolerance = 1e-2 if half else (_ORDERED_TOLERANCE if exact_order else _REORDERED_TOLERANCE)[x.dtype]
+    tolerance = 1e-2 if half else (_ORDERED_TOLERANCE if exact_order else REORDERED_TOLERANCE)[x.dtype]
     for name in ("weight", "bias", "logit"):
         if relative_distance(getattr(got, name), getattr(want, name)) > tolerance:
             return f"{stage} explanation of {{}} differs from the fused backend's in its {name} by more than " \
@@ -575,7 +576,7 @@ def _gradient_mismatch(got: BackendExplanation, want: BackendExplanation,
         # The fused backend's graph is the caller's explanation: kept for the caller's loss.
         parts = torch.autograd.grad(loss, parameters, retain_graph=True, allow_unused=True, materialize_grads=True)
         return torch.cat([part.flatten() for part in parts])
-    tolerance = _REORDERED_TOLERANCE[x.dtype]
+    tolerance = REORDERED_TOLERANCE[x.dtype]
     if relative_distance(gradient([g for g, _ in pairs]), gradient([w for _, w in pairs])) > tolerance:
         return f"compiled explanation of {{}} gives the parameters a gradient that differs from the fused " \
                f"backend's by more than {tolerance:g} relative"
