@@ -187,17 +187,25 @@ class Explainer:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
-        self.backend = backend
+        self.backend = backend  # checked by the setter
         self.output = checked_selector(output)
         if feature_dim is not None and (isinstance(feature_dim, bool) or not isinstance(feature_dim, int)):
             raise TypeError(f"feature_dim must be an int or None, got {type(feature_dim).__name__}")
         self.feature_dim = feature_dim
-        self._backend = Backend(backend)
         # Per (input shape, dtype, device), the most recently used last; a program that serves
         # a range of batch sizes has the shape (None, C, H, W) and the range after the device.
         self._programs: dict[tuple, tuple[LinearizedProgram, int]] = {}
         self._structure: ModelStructure | None = None  # the model's structure the programs were captured with
         self._lock = threading.RLock()  # so that two threads do not capture the same signature
+
+    @property
+    def backend(self) -> str:
+        """The backend's name, as given; may be set to another backend between calls."""
+        return self._backend.name
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        self._backend = Backend(name)
 
     def program(self, x: torch.Tensor) -> tuple[LinearizedProgram, int]:
         """The linearized program for ``x``'s signature and the model's number of classes.

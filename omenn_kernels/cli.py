@@ -99,9 +99,10 @@ def _parser() -> argparse.ArgumentParser:
                          help="compute dtype (bf16/fp16 through autocast)")
     explain.add_argument("--device", default="cuda" if _cuda() else "cpu", help="cpu, cuda or cuda:N")
     explain.add_argument("--backend", default="auto", choices=["auto", "fused", "reference", "compiled"],
-                         help="auto (default): fused on the CPU, reference on CUDA (a run does not switch "
-                         "backends midway); compiled: the explanation compiled once (tens of seconds) and "
-                         "then run as one graph")
+                         help="auto (default): compiled where the run is long enough to pay for compiling, "
+                         "else fused on the CPU and reference on CUDA; one backend for the whole run, a "
+                         "resumed run keeps its store's; compiled: the explanation compiled once (tens of "
+                         "seconds) and then run as one graph")
     explain.add_argument("--store-dtype", default="float16", choices=list(STORE_DTYPES))
     explain.add_argument("--components", type=_components, default=("contribution",),
                          help="what to store besides logits and targets: contribution[,weighted_input][,bias]")

@@ -144,13 +144,14 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(many_images, tmp_path)
 
 
 def test_torchrun_two_processes_equal_one(parts_folder, tmp_path):
+    """Both with ``--backend auto``, whose choice the processes of a torchrun make together."""
     single, sharded = tmp_path / "single.zarr", tmp_path / "sharded.zarr"
     command = [sys.executable, "-m", "omenn_kernels.cli"]
-    subprocess.run(command + _explain_command(parts_folder, single, "--batch-size", "4"), env=_env(),
-                   check=True, timeout=600)
+    subprocess.run(command + _explain_command(parts_folder, single, "--batch-size", "4", "--backend", "auto"),
+                   env=_env(), check=True, timeout=600)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                     "-m", "omenn_kernels.cli"] + _explain_command(parts_folder, sharded, "--batch-size", "4",
-                                                                  "--device", "cpu"),
+                                                                  "--device", "cpu", "--backend", "auto"),
                    env=_env(), check=True, timeout=600)
     store = AttributionStore.open(sharded)
     assert store.attrs["complete"] and (store.status() == EXPLAINED).all()

@@ -14,6 +14,12 @@ fused, which the training benchmarks show faster than compiled on CNNs; so do re
 the compiled backend does not trace (plain functions). A signature whose compilation fails or
 does not pass its checks stays on fused, after one warning (the compiled backend's).
 
+A run that knows its length (``omenn explain``: the number of batches, all of one signature)
+needs no switch: it decides once, before its first batch, with :func:`pays_to_compile`. A
+compilation costs about :data:`COMPILE_AFTER_SECONDS` and saves a share of each call
+(:data:`COMPILED_SAVING`, the lowest measured for the device), so the run is compiled when
+that share of its eager time exceeds a compilation's.
+
 Numbers: calls before the switch return the fused backend's explanation, calls from it on the
 compiled graph's, which differ from it by rounding (checked at compile time: 1e-5 relative
 in float32, 1e-8 in float64). The switch follows measured time, so two runs of one script can
@@ -40,6 +46,11 @@ log = logging.getLogger("omenn_kernels.tiered")
 # Seconds of fused calls after which a signature is compiled: about a compilation's time on an
 # empty Inductor cache for a ViT-S or a ResNet-50 on one CPU thread.
 COMPILE_AFTER_SECONDS = 120.0
+# Per device type, the share of the eager backend's time a compiled explanation saves, at least:
+# the lowest of the committed benchmarks (bench/README.md). CPU: compiled takes 0.65-0.97x
+# fused's time (ResNet-50 at batch 8 saves least). CUDA (H200): compiled takes 0.18-0.22x the
+# reference backend's time (ViT-B/16 and ResNet-50, bf16, batch 64).
+COMPILED_SAVING = {"cpu": 0.03, "cuda": 0.75}
 # What times the fused calls; tests may swap in a clock of their own.
 CLOCK: Callable[[], float] = time.perf_counter
 
@@ -60,6 +71,14 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     explanation = fused.explain_batch(program, model, x, readout)
     spent[key] = spent.get(key, 0.0) + CLOCK() - start
     return explanation
+
+
+def pays_to_compile(seconds_per_call: float, calls: int, device: torch.device) -> bool:
+    """Whether ``calls`` explanations of one signature, each taking ``seconds_per_call`` on the
+    eager backend of ``device``, are done sooner compiled: when the share
+    :data:`COMPILED_SAVING` of their time exceeds a compilation's, :data:`COMPILE_AFTER_SECONDS`."""
+    saving = COMPILED_SAVING.get(device.type, 0.0)
+    return calls * seconds_per_call * saving > COMPILE_AFTER_SECONDS
 
 
 def runs_compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,

@@ -23,7 +23,10 @@ that ran, ``compiled`` or its fallback ``fused`` included, and the versions of
 omenn_kernels and torch). A run adds no batch whose record the store's explained images
 do not already have, unless ``allow_mixed``: a resumed run with another backend or
 version is refused before it explains anything, and a compiled run that falls back to
-the fused backend at its first batch is refused then. Resuming first checks the chunks
+the fused backend at its first batch is refused then. ``auto`` picks one backend for the
+whole run before its first batch: compiled where the run is long enough to pay for the
+compilation, else the eager one; a resumed run goes on with the backend its store records.
+Resuming first checks the chunks
 of the batches marked done (``verify``, see :meth:`.AttributionStore.verify`) and
 explains damaged ones again.
 """
@@ -47,7 +50,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from .. import __version__, backends
-from ..api import Explainer
+from ..backends import tiered
+from ..api import Explainer, Explanation
 from ..readout import Readout, ReadoutFunction
 from ..errors import OmennError, OptionError, StoreError, TargetError
 from .images import ImageFiles, ImageList, collate_images, list_images
@@ -266,7 +270,7 @@ def _mixing_error(out: Path, held: Iterable[str], record: str, requested: str) -
         differing.append("the backend and versions of images explained before omenn_kernels recorded them are "
                          "not known")
     fallback = ""
-    if requested == "compiled" and new["backend"] == "fused":
+    if requested in ("compiled", "auto") and new["backend"] == "fused":
         fallback = (" (the compiled backend could not compile this run's explanation, which runs on the fused "
                     "backend: see the warning above)")
     return StoreMismatchError(f"the store {out} holds explained images of another backend or version than this "
@@ -282,8 +286,10 @@ def _open_store(config: RunConfig, signature: dict, images: ImageList, rank: int
     Returns the store and the batches marked done whose chunks were damaged (now pending again).
     """
     backend = backends.resolved_name(config.backend, device)
-    # A compiled run may fall back to fused: that is checked again at its first batch.
-    candidates = [_producer(backend)] + ([_producer("fused")] if backend == "compiled" else [])
+    # A compiled run may fall back to fused: that is checked again at its first batch. An auto run
+    # goes on with the backend the store's images record (see _auto_backend).
+    candidates = [_producer(backend)] + ([_producer("fused")] if backend == "compiled" else []) + \
+        ([_producer("compiled"), _producer("fused")] if config.backend == "auto" else [])
 
     def resume(store: AttributionStore) -> list[int]:
         damaged = store.verify(images.paths, images.labels) if config.verify else []
@@ -432,6 +438,11 @@ class _BatchExplainer:
         self.store_dtype = STORE_DTYPES[config.store_dtype]
         self.backend = backends.Backend(backends.resolved_name(config.backend, device))
 
+    def use(self, backend: str) -> None:
+        """Explain the following batches on ``backend``."""
+        self.backend = backends.Backend(backend)
+        self.explainer.backend = backend
+
     def _readout_weights(self, logits: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """The (B, T, K) read-out weights of the target specification for a batch's logits."""
         return readout_weights(self.spec.pairs(logits, labels), self.classes, torch.float32)
@@ -445,6 +456,25 @@ class _BatchExplainer:
                       targets=np.full((rows, t, 2), NO_CLASS, np.int32))
         arrays[PRODUCED_BY] = np.full(rows, _producer(backends.resolved_name(self.backend.name, self.device)), object)
         return arrays
+
+    def _explain(self, x: torch.Tensor, labels: torch.Tensor | None) -> tuple[Explanation, str]:
+        """The explanation of the batch ``x`` (padded to the batch size) and the backend that ran it."""
+        readout = Readout(ReadoutFunction(self.readout_weights, () if labels is None else (labels,)))
+        with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext():
+            e = self.explainer.explain_targets(x, readout)
+            # under the same autocast: a compiled graph is specialized on it
+            program, _ = self.explainer.program(x)
+            return e, self.backend.runs_on(program, self.explainer.model, x, readout)
+
+    def seconds_per_batch(self, image_shape: tuple[int, ...]) -> float:
+        """The seconds one batch (of zeros, every target resolved as for images) takes to explain."""
+        x = torch.zeros(self.config.batch_size, *image_shape, device=self.device)
+        labels = None if self.labels is None else torch.zeros(len(x), dtype=self.labels.dtype, device=self.device)
+        start = time.perf_counter()
+        self._explain(x, labels)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def __call__(self, batch: dict, image_shape: tuple[int, ...]) -> tuple[dict, np.ndarray]:
         indices = batch["indices"]
@@ -465,12 +495,8 @@ class _BatchExplainer:
         if self.labels is not None:
             labels = self.labels[batch["readable"]].to(self.device)
             labels = torch.cat([labels, labels[:1].expand(padding)])
-        readout = Readout(ReadoutFunction(self.readout_weights, () if labels is None else (labels,)))
-        with torch.autocast(self.device.type, dtype=self.autocast) if self.autocast else contextlib.nullcontext():
-            e = self.explainer.explain_targets(x, readout)
-            # under the same autocast: a compiled graph is specialized on it
-            program, _ = self.explainer.program(x)
-            arrays[PRODUCED_BY][:] = _producer(self.backend.runs_on(program, self.explainer.model, x, readout))
+        e, backend = self._explain(x, labels)
+        arrays[PRODUCED_BY][:] = _producer(backend)
         # the pairs the read-outs were made of: the same function of the same logits
         outputs = {"contribution": e.contribution, "bias": e.bias, "explained": e.logit, "logits": e.logits,
                    "targets": self.spec.pairs(e.logits, labels)}
@@ -526,6 +552,36 @@ def explain_folder(config: RunConfig) -> RunSummary:
             dist.destroy_process_group()
 
 
+def _auto_backend(held: Iterable[str], batch_explainer: _BatchExplainer, image_shape: tuple[int, ...],
+                  batches: int, device: torch.device) -> str:
+    """The backend of a run with ``--backend auto``, one for the whole run.
+
+    A resumed run goes on with the backend its store's explained images record, so that it
+    ends with an uninterrupted run's values. A new run is compiled where that pays off over its
+    ``batches`` (:func:`~omenn_kernels.backends.tiered.pays_to_compile`), timed on a batch of
+    zeros; else it runs on the eager backend. Under torchrun every process decides alike: on the
+    longest share of batches and the slowest time.
+    """
+    eager = backends.resolved_name("auto", device)
+    for backend in (eager, "compiled"):
+        if _producer(backend) in held:
+            return backend
+    seconds = batch_explainer.seconds_per_batch(image_shape) if batches else 0.0
+    if tiered.pays_to_compile(seconds, batches, device):
+        # timed again: the first call also paid one-time costs (kernels loaded, memory first touched)
+        seconds = batch_explainer.seconds_per_batch(image_shape)
+    if dist.is_initialized():
+        longest = torch.tensor([seconds, batches], dtype=torch.float64,
+                               device=device if dist.get_backend() == "nccl" else None)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        seconds, batches = longest[0].item(), int(longest[1].item())
+    backend = "compiled" if tiered.pays_to_compile(seconds, batches, device) else eager
+    log.info("backend auto: %s (%d batches of about %.2f s each on %s; a run is compiled from %.0f s on)",
+             backend, batches, seconds, eager,
+             tiered.COMPILE_AFTER_SECONDS / tiered.COMPILED_SAVING.get(device.type, float("nan")))
+    return backend
+
+
 def _explain_folder(config: RunConfig, rank: int, world: int, device: torch.device) -> RunSummary:
     images = list_images(config.source)
     spec = parse_targets(config.targets)
@@ -533,8 +589,7 @@ def _explain_folder(config: RunConfig, rank: int, world: int, device: torch.devi
                         num_classes=config.num_classes)
     loaded.model.to(device)
     image_shape = tuple(loaded.data_config["input_size"])
-    # auto's eager backend, not its tiers: a batch's numbers must not depend on when a compilation
-    # would pay off, so that a resumed run equals an uninterrupted one.
+    # auto's eager backend, not its tiers: a run does not switch backends midway (see _auto_backend).
     explainer = Explainer(loaded.model, backend=backends.resolved_name(config.backend, device))
     # Captured once, on the batch shape every batch is padded to.
     _, classes = explainer.program(torch.zeros(config.batch_size, *image_shape, device=device))
@@ -549,6 +604,8 @@ def _explain_folder(config: RunConfig, rank: int, world: int, device: torch.devi
     mine = sum(len(store.chunk_range(c)) for c in range(rank, store.num_chunks, world))
     summary = RunSummary(config.out, skipped=mine - pending_images, damaged=damaged)
     held = set(store.producers())
+    if config.backend == "auto":
+        batch_explainer.use(_auto_backend(held, batch_explainer, image_shape, len(chunks), device))
     log.info("rank %d/%d: %d images to explain in %d batches (%d done before), model %s, targets %r "
              "(%d per image), device %s, dtype %s, backend %s", rank, world,
              pending_images, len(chunks), summary.skipped, loaded.name,

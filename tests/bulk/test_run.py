@@ -120,27 +120,40 @@ def test_resume_redoes_only_pending_chunks(parts_folder, tmp_path):
     assert np.array_equal(AttributionStore.open(out).read("contribution"), before)
 
 
-def test_a_resumed_compiled_run_equals_an_uninterrupted_one(parts_folder, tmp_path, monkeypatch):
-    """With ``--backend compiled`` the resumed process compiles on the batch it resumes at: that
-    batch has the compiled graph's numbers, as in the uninterrupted run (here the graph rounds
-    unlike the fused backend: its floating outputs scaled by 1 + 1e-7)."""
-    from omenn_kernels.backends import compiled
+def test_auto_compiles_a_long_run_and_a_resumed_run_keeps_its_stores_backend(parts_folder, tmp_path, monkeypatch):
+    """``--backend auto`` compiles a run whose eager time pays for a compilation (here every run: a
+    compilation's cost set to 0) and runs fused otherwise. A resumed run goes on with the backend its
+    store records, whatever a new run would pick, and compiles on the batch it resumes at: that batch
+    has the compiled graph's numbers, as in the uninterrupted run (here the graph rounds unlike the
+    fused backend: its floating outputs scaled by 1 + 1e-7)."""
+    from omenn_kernels.backends import compiled, tiered
+    traced = []
 
     def rounding_otherwise(graph, example):
+        traced.append(graph)
         return lambda *inputs: tuple(t * (1 + 1e-7) if t.is_floating_point() else t for t in graph(*inputs))
     monkeypatch.setattr(compiled, "COMPILER", rounding_otherwise)
-    out = tmp_path / "s.zarr"
-    config = _config(parts_folder, out, targets="top2", backend="compiled", components=("contribution",))
+    monkeypatch.setattr(tiered, "COMPILE_AFTER_SECONDS", 0.0)
+    out = tmp_path / "long.zarr"
+    config = _config(parts_folder, out, targets="top2", backend="auto", components=("contribution",))
     explain_folder(config)
+    assert len(traced) == 1
     store = AttributionStore.open(out, writable=True)
+    assert set(store.read("produced_by")) == {producer_record("compiled", __version__, torch.__version__)}
     before = {name: store.read(name) for name in ("contribution", "explained", "logits")}
     store.group["status"][8:16] = PENDING
     store.group["contribution"][8:16] = 0.0
+    monkeypatch.setattr(tiered, "COMPILE_AFTER_SECONDS", float("inf"))  # a new run stays on fused
     summary = explain_folder(config)  # a new process: nothing compiled yet
-    assert (summary.explained, summary.skipped) == (8, 12)
+    assert (summary.explained, summary.skipped) == (8, 12) and len(traced) == 2
     after = AttributionStore.open(out)
     for name, values in before.items():
         assert np.array_equal(after.read(name), values), name
+
+    short = tmp_path / "short.zarr"
+    explain_folder(_config(parts_folder, short, targets="top2", backend="auto", components=("contribution",)))
+    assert set(AttributionStore.open(short).read("produced_by")) == \
+        {producer_record("fused", __version__, torch.__version__)} and len(traced) == 2
 
 
 def test_other_configuration_is_refused_unless_overwritten(parts_folder, tmp_path):
