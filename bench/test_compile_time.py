@@ -4,10 +4,12 @@
 
 vit_small_patch16_224 with random weights, batch 4, 224×224, float32, one thread. Two fresh
 processes share one new ``TORCHINDUCTOR_CACHE_DIR``: the first compiles from the empty
-cache, the second (another seed: other weights, the same architecture) reads Inductor's
-graph back. Each records its first call (capture, the eager call, trace, passes, checks,
-Inductor), its fastest of three later calls, and the compilation's stages
-(``CompiledExplanation.stages``); ``extra_info`` holds both processes' numbers. The first
+cache and saves its traced graph, the second (another seed: other weights, the same
+architecture) loads that graph with its own weights and reads Inductor's code back. Each
+records its first call (the capture and the compilation: the first's eager call, trace,
+passes, checks, Inductor; the second's ``load``), its fastest of three later calls, and the
+compilation's stages (``CompiledExplanation.stages``); ``extra_info`` holds both processes'
+numbers. The first
 process then explains batches of 2, 3 and 6 images, which run the batch-4 graph in chunks:
 each size's first call (with its check against the fused backend) must take at most 3× its
 fastest of two later calls.

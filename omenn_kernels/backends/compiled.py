@@ -22,6 +22,13 @@ rule dispatch. Every call of a signature, the first included, returns the compil
 numbers (the first one's come from its check run), so results do not depend on which call
 compiled: a resumed bulk run equals an uninterrupted one.
 
+A first-order CPU signature's graph, once it passes its checks, is saved beside Inductor's
+cache (:mod:`~omenn_kernels.backends.saved_graphs`), and the graph compiled is that saved
+one read back. A later process's first call of the same signature of the same model loads
+it instead of running the eager call, the trace, the passes and the checks against the
+fused backend; it binds the model's own parameters, checks that the graph gives the
+model's logits and a complete explanation, and compiles it from Inductor's cache.
+
 A program that serves several batch sizes (:func:`~omenn_kernels.capture.capture`) is
 traced and compiled once, at the size of the first batch of a signature: the signature
 holds no batch size. A batch of another size runs that graph in chunks of its size, the
@@ -69,6 +76,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..capture import CAPTURE_LOCK, bound_tensors
@@ -78,8 +87,8 @@ from ..linearize.program import LinearizedProgram
 from ..linearize.values import channels_last as is_channels_last, traced_forwards
 from ..ops import traced_as_aten
 from ..readout import Readout
-from . import fused
-from .executor import BackendExplanation, ParameterGradient
+from . import fused, saved_graphs
+from .executor import BackendExplanation, ParameterGradient, held_pass
 from .layout import in_layout_of, runs_channels_last
 from .parameter_only import ParameterDerived, hoist_parameter_only
 from .packed_weights import (constant_kernels, forget_reordered_kernel, forget_reordered_kernels,
@@ -132,16 +141,14 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
     AOTAutograd; without CUDA graphs there, whose output buffers the next call overwrites
     while a training step's autograd graph still holds them.
     """
-    from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx  # imported on first use: it loads all of Inductor
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     cuda = any(t.is_cuda for t in example)
     differentiable = any(t.requires_grad for t in example)
     cpp_wrapper = False
     if not cuda and not differentiable:
-        flops = matrix_flops(graph)
+        flops = graph.meta["matrix_flops"] if "matrix_flops" in graph.meta else matrix_flops(graph)
         cpp_wrapper = flops <= CPP_WRAPPER_FLOPS_PER_THREAD * torch.get_num_threads()
         log.debug("compiling a graph of %.3g GFLOP with a %s wrapper", flops / 1e9, "C++" if cpp_wrapper else "Python")
 
@@ -184,7 +191,8 @@ class CompiledExplanation:
     graph: torch.fx.GraphModule
     run: Callable
     seconds: float  # tracing and compiling
-    # Where ``seconds`` went, stage by stage (see :data:`STAGES`), over every attempt.
+    # Where ``seconds`` went, stage by stage (see :data:`STAGES`), over every attempt; ``load`` for a
+    # graph a process saved earlier (:mod:`.saved_graphs`), loaded, compiled and run once.
     stages: dict[str, float]
     parameter_derived: ParameterDerived | None  # constants computed from the parameters; refreshed before each run
     packed_kernels: Watch | None  # the model's kernels that packed convolutions read reordered
@@ -308,10 +316,17 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     batch = x.shape[0]
     key = _signature(x, channels_last, readout, parameter_gradient, trained, program.captured.serves_batch(batch))
     compiled = explanations(program).pop(key, None)
-    if compiled is None:  # the first call of this signature: eager, then traced, compiled and checked
+    if compiled is None:  # the first call of this signature: loaded, or eager, then traced, compiled and checked
+        saved_key = _saved_key(program, model, x, readout, parameter_gradient, key)
+        loaded = _loaded(program, model, x, readout, saved_key) if saved_key is not None else None
+        if loaded is not None:
+            compiled, outputs = loaded
+            _keep(program, key, compiled)
+            return in_layout_of(given, channels_last, outputs)
         expected = fused.explain_batch(program, model, x, readout, parameter_gradient)
         with CAPTURE_LOCK:  # make_fx, like torch.export, holds process-wide dispatch modes while it traces
-            compiled, outputs = _compiled(program, model, x, readout, parameter_gradient, trained, expected)
+            compiled, outputs = _compiled(program, model, x, readout, parameter_gradient, trained, expected,
+                                          saved_key)
             _keep(program, key, compiled)
         outputs = expected if compiled is _FAILED else _owned(outputs, x, parameter_gradient)
         return in_layout_of(given, channels_last, outputs)
@@ -331,6 +346,71 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
             outputs = expected
         return in_layout_of(given, channels_last, outputs)
     return in_layout_of(given, channels_last, _run(compiled, x, readout, trained, parameter_gradient))
+
+
+def _saved_key(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+               parameter_gradient: ParameterGradient | None, signature: tuple) -> str | None:
+    """The key under which this signature's traced graph is saved for later processes
+    (:mod:`~omenn_kernels.backends.saved_graphs`), or None where it is not: a differentiable
+    explanation, a read-out function (its identity is this process's), a device other than the CPU
+    or a compiler other than Inductor (a test's)."""
+    if parameter_gradient is not None or readout.kind == "function" or x.device.type != "cpu" or \
+            COMPILER is not inductor and not SAVE_WITH_ANY_COMPILER:
+        return None
+    return saved_graphs.key(program, model, signature)
+
+
+def saved(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout) -> bool:
+    """Whether a process saved the graph of this first-order signature (its first call loads it)."""
+    key = signature(program, model, x, readout)
+    saved_key = None if key is None else _saved_key(program, model, x, readout, None, key)
+    return saved_key is not None and saved_graphs.exists(saved_key)
+
+
+# Tests set this to save and load graphs compiled by a compiler of their own.
+SAVE_WITH_ANY_COMPILER = False
+
+
+def _loaded(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+            saved_key: str) -> tuple[CompiledExplanation, BackendExplanation] | None:
+    """The compiled explanation of a graph a process saved earlier under ``saved_key``, and its outputs
+    on ``x``; None where none is saved or it does not pass its check (logged: it is traced again).
+
+    Its check is the model's: the graph gives the logits of the model's own forward on the first
+    two samples (its parameters are bound by name, so a graph bound wrongly would not) and a
+    complete explanation, to the tolerance of a reordered computation (see :func:`_mismatch`);
+    the graph was checked against the fused backend when it was saved.
+    """
+    started = time.perf_counter()
+    saved = saved_graphs.load(saved_key, program, model)
+    if saved is None:
+        return None
+    example = [x, *readout.tensors]
+    try:
+        with CAPTURE_LOCK:
+            run = COMPILER(saved.graph, example)
+            outputs = BackendExplanation(*run(*example))
+        # Two samples show a graph bound wrongly as well as all do, at a fraction of a forward.
+        rows = 2 if x.shape[0] > 2 and program.captured.serves_batch(2) else x.shape[0]
+        held, _ = held_pass(program, bound_tensors(program.captured, model), x[:rows])
+        own = held[program.captured.output_name]
+    except Exception as error:  # noqa: BLE001 — traced again
+        log.info("the saved explanation graph of %s could not be compiled (%s); tracing it again",
+                 type(model).__name__, first_line(error))
+        return None
+    tolerance = REORDERED_TOLERANCE.get(x.dtype, HALF_LOGITS_TOLERANCE)
+    error, scale = _completeness(outputs, x)
+    if relative_distance(outputs.logits[:rows], own) > tolerance or bool((error > tolerance * scale).any()):
+        log.info("the saved explanation graph of %s does not give the model's logits or a complete "
+                 "explanation; tracing it again", type(model).__name__)
+        return None
+    seconds = time.perf_counter() - started
+    log.info("loaded and compiled the saved explanation of %s for input %s %s and target %s in %.1f s",
+             type(model).__name__, tuple(x.shape), x.dtype, readout.kind, seconds)
+    derived = {id(value) for value in saved.parameter_derived.values} if saved.parameter_derived is not None else set()
+    kernels = [kernel for kernel in constant_kernels(saved.graph) if id(kernel) not in derived]
+    return CompiledExplanation(saved.graph, run, seconds, {"load": seconds}, saved.parameter_derived,
+                               Watch(kernels) if kernels else None, x.shape[0]), outputs
 
 
 def _run(compiled: CompiledExplanation, x: torch.Tensor, readout: Readout, trained: dict[str, torch.Tensor],
@@ -385,14 +465,16 @@ _FAILED = object()  # a signature whose trace or compilation failed: it runs on 
 
 # The stages of a compilation, as ``CompiledExplanation.stages`` names them: the trace of the
 # fused explanation (make_fx), the graph passes (shape-only folding, parameter-only hoisting,
-# packed convolutions), the check of the traced graph against the fused explanation, Inductor
-# (the C++ compiler included), and the compiled graph's check run.
-STAGES = ("trace", "passes", "check traced", "inductor", "check compiled")
+# packed convolutions), the check of the traced graph against the fused explanation, the graph
+# saved for later processes and read back (:mod:`.saved_graphs`), Inductor (the C++ compiler
+# included), and the compiled graph's check run.
+STAGES = ("trace", "passes", "check traced", "save", "inductor", "check compiled")
 
 
 def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
               parameter_gradient: ParameterGradient | None, trained: dict[str, torch.Tensor],
-              expected: BackendExplanation) -> tuple[CompiledExplanation | object, tuple | None]:
+              expected: BackendExplanation, saved_key: str | None = None
+              ) -> tuple[CompiledExplanation | object, tuple | None]:
     """The traced and compiled explanation of ``readout``'s signature, checked against ``expected``,
     and the outputs of its check run on this input.
 
@@ -407,6 +489,10 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     convolutions on oneDNN (:mod:`~omenn_kernels.backends.packed_weights`), and traced and
     compiled again with ATen's where that does not pass. Returns ``(_FAILED, None)`` (after
     one warning naming the cause) where tracing or compiling fails or a check does not hold.
+
+    With a ``saved_key`` the graph that passes its checks is saved for later processes
+    (:mod:`~omenn_kernels.backends.saved_graphs`); the graph compiled is the one they will load
+    (saved and read back), so that they find its code in Inductor's cache.
     """
     differentiable = parameter_gradient is not None
     head = 1 + len(readout.tensors)
@@ -433,7 +519,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     def traced_and_compiled(pack: bool) -> tuple[torch.fx.GraphModule, Callable | None, tuple | None, str | None,
                                                  tuple]:
         started = time.perf_counter()
-        with traced_forwards():
+        # One fake mode for every traced value's metadata, where make_fx would make one per value.
+        with traced_forwards(), tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
             graph = make_fx(explanation, decomposition_table=decompositions)(*example)
         started = timed("trace", started)
         folded = fold_shape_only(graph, example)
@@ -444,11 +531,24 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         started = timed("passes", started)
         with torch.no_grad():  # values only: the gradient is checked on the compiled graph
             replayed = BackendExplanation(*graph(*example))
-        counts = (folded, parameter_derived, packed)
+        counts = (folded, parameter_derived, packed, None)
         mismatch = _mismatch(replayed, _detached(expected), x, "traced", exact_order=not decompositions)
         started = timed("check traced", started)
         if mismatch:  # not worth compiling
             return graph, None, None, mismatch, counts
+        saved = None
+        if saved_key is not None:
+            try:
+                # The graph is saved without its shapes: its FLOPs go with it.
+                saved = saved_graphs.record(program, model, graph, parameter_derived, matrix_flops(graph))
+                loaded = saved_graphs.bound(saved, program, model)
+                graph, parameter_derived = loaded.graph, loaded.parameter_derived
+            except Exception as error:  # noqa: BLE001 — only not saved
+                log.info("the traced explanation of %s cannot be saved for later processes (%s)",
+                         type(model).__name__, first_line(error))
+                saved = None
+            started = timed("save", started)
+        counts = (folded, parameter_derived, packed, saved)
         compiled = COMPILER(graph, example)
         started = timed("inductor", started)
         with torch.set_grad_enabled(differentiable):
@@ -464,7 +564,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     start = time.perf_counter()
     for pack in (True, False) if onednn else (False,):
         try:
-            graph, compiled, result, mismatch, (folded, parameter_derived, packed) = traced_and_compiled(pack)
+            graph, compiled, result, mismatch, (folded, parameter_derived, packed, saved) = traced_and_compiled(pack)
             failure = None
         except Exception as error:  # any failure of the toolchain falls back, never a wrong map
             failure = first_line(error)
@@ -483,6 +583,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         warnings.warn(f"omenn_kernels: the {mismatch.format(type(model).__name__)}; this signature runs on the "
                       "fused backend", RuntimeWarning, stacklevel=5)
         return _FAILED, None
+    if saved is not None:
+        saved_graphs.save(saved_key, saved)
     seconds = time.perf_counter() - start
     log.info("compiled the explanation of %s for input %s %s and target %s%s in %.1f s (%s; %d aten nodes, "
              "%d shape-only values folded, %d parameter-only values kept, %d convolutions with reordered "

@@ -6,8 +6,9 @@ one, once; each call after it takes about 0.5–0.9× the fused backend's time (
 Performance section). Compiling at the first call would charge a short session minutes it never
 earns back; never compiling charges a long one 10–50 % of every call. As in the ski-rental
 problem, a signature is compiled once its fused calls have taken about as long as a compilation
-does, :data:`COMPILE_AFTER_SECONDS` in all: whichever way the session goes on, it spends at most
-about twice the time of the better choice made in hindsight.
+does, :data:`COMPILE_AFTER_SECONDS` in all (:data:`COMPILE_SAVED_AFTER_SECONDS` where a process
+saved the signature's graph, :mod:`~omenn_kernels.backends.saved_graphs`): whichever way the
+session goes on, it spends at most about twice the time of the better choice made in hindsight.
 
 Only first-order explanations tier. Differentiable ones (``create_graph``, training) stay on
 fused, which the training benchmarks show faster than compiled on CNNs; so do read-outs that
@@ -46,6 +47,9 @@ log = logging.getLogger("omenn_kernels.tiered")
 # Seconds of fused calls after which a signature is compiled: about a compilation's time on an
 # empty Inductor cache for a ViT-S or a ResNet-50 on one CPU thread.
 COMPILE_AFTER_SECONDS = 120.0
+# The same for a signature whose checked graph a process saved earlier (see saved_graphs): about
+# the time to load it and read Inductor's code back for a ViT-S on one CPU thread.
+COMPILE_SAVED_AFTER_SECONDS = 10.0
 # Per device type, the share of the eager backend's time a compiled explanation saves, at least:
 # the lowest of the committed benchmarks (bench/README.md). CPU: compiled takes 0.65-0.97x
 # fused's time (ResNet-50 at batch 8 saves least). CUDA (H200): compiled takes 0.18-0.22x the
@@ -62,10 +66,11 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     if key is None:
         return fused.explain_batch(program, model, x, readout, parameter_gradient)
     spent = _FUSED_SECONDS.setdefault(program, {})
-    if spent.get(key, 0.0) >= COMPILE_AFTER_SECONDS:
+    if spent.get(key, 0.0) >= _compile_after(program, model, x, readout, key):
         if key not in compiled.explanations(program):  # this call compiles
             log.info("the explanation of %s has run on the fused backend for %.0f s: compiling it (seconds on a "
-                     "warm Inductor cache, minutes on an empty one)", type(model).__name__, spent[key])
+                     "warm Inductor cache or from a saved graph, minutes on an empty cache)",
+                     type(model).__name__, spent[key])
         return compiled.explain_batch(program, model, x, readout)
     start = CLOCK()
     explanation = fused.explain_batch(program, model, x, readout)
@@ -85,8 +90,20 @@ def runs_compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
                   parameter_gradient: ParameterGradient | None = None) -> bool:
     """Whether :func:`explain_batch` of these arguments only runs a graph compiled earlier."""
     key = _hot_key(program, model, x, readout, parameter_gradient)
-    return key is not None and _FUSED_SECONDS.get(program, {}).get(key, 0.0) >= COMPILE_AFTER_SECONDS and \
+    return key is not None and \
+        _FUSED_SECONDS.get(program, {}).get(key, 0.0) >= _compile_after(program, model, x, readout, key) and \
         compiled.replays(program, model, x, readout)
+
+
+def _compile_after(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+                   key: tuple) -> float:
+    """The seconds of fused calls after which the signature ``key`` is compiled: fewer where a
+    process saved its graph (looked up once per signature)."""
+    thresholds = _THRESHOLDS.setdefault(program, {})
+    if key not in thresholds:
+        thresholds[key] = COMPILE_SAVED_AFTER_SECONDS if compiled.saved(program, model, x, readout) \
+            else COMPILE_AFTER_SECONDS
+    return thresholds[key]
 
 
 def _hot_key(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
@@ -97,5 +114,7 @@ def _hot_key(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor
     return compiled.signature(program, model, x, readout)
 
 
+# Per program and compiled signature, the seconds of fused calls after which it is compiled.
+_THRESHOLDS: weakref.WeakKeyDictionary[LinearizedProgram, dict[tuple, float]] = weakref.WeakKeyDictionary()
 # Per program and compiled signature, the seconds its fused calls have taken.
 _FUSED_SECONDS: weakref.WeakKeyDictionary[LinearizedProgram, dict[tuple, float]] = weakref.WeakKeyDictionary()

@@ -84,3 +84,23 @@ def test_a_failed_compilation_leaves_the_fused_tier_running(compilations, monkey
         warnings.simplefilter("error", RuntimeWarning)
         for _ in range(2):
             _check(explainer(x, 1), fused(x, 1))
+
+
+def test_auto_loads_a_saved_graph_after_fewer_fused_seconds(compilations, monkeypatch, tmp_path):
+    """Where a process saved the signature's graph, ``auto`` compiles (loads it) once its fused
+    calls have taken ``COMPILE_SAVED_AFTER_SECONDS`` (here 1 s: after one call)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(compiled, "SAVE_WITH_ANY_COMPILER", True)
+    monkeypatch.setattr(tiered, "COMPILE_SAVED_AFTER_SECONDS", 1.0)
+    model, side = _model()
+    x = _images(4, side)
+    Explainer(model, backend="compiled")(x, 1)  # traced and saved
+    explainer, fused = Explainer(model), Explainer(model, backend="fused")
+    tiers = []
+    for _ in range(3):
+        _check(explainer(x, 1), fused(x, 1))
+        program, classes = explainer.program(x)
+        tiers.append(explainer._backend.runs_on(program, model, x, checked_readout(1, 4, classes, x.device)))
+    assert tiers == ["fused", "compiled", "compiled"]
+    (kept,) = compiled.explanations(explainer.program(x)[0]).values()
+    assert tuple(kept.stages) == ("load",)
