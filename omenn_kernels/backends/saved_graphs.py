@@ -47,8 +47,6 @@ from .parameter_only import ParameterDerived
 
 log = logging.getLogger("omenn_kernels.compiled")
 
-# Bumped when the file's layout changes.
-FORMAT = 1
 # Saved graphs kept, the least recently used removed first (a graph is a few hundred KiB to a few MiB).
 MAX_SAVED = 64
 
@@ -70,10 +68,10 @@ def folder() -> Path:
 
 @functools.cache
 def _source_digest() -> str:
-    """sha256 of the library's Python and C++ source: a changed rule or pass traces another graph."""
+    """sha256 of the library's Python source: a changed rule, pass or file layout traces another graph."""
     root = Path(__file__).resolve().parents[1]
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
+    for path in sorted(root.rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
@@ -87,7 +85,7 @@ def _tensor_key(tensor: torch.Tensor) -> tuple:
 def key(program: LinearizedProgram, model: torch.nn.Module, signature: tuple) -> str:
     """The hash under which the graph of ``signature`` is saved (see the module docstring)."""
     digest = hashlib.sha256()
-    digest.update(f"{FORMAT} {torch.__version__} {_source_digest()}".encode())
+    digest.update(f"{torch.__version__} {_source_digest()}".encode())
     digest.update(program.captured.graph.python_code("self").src.encode())
     digest.update(str(program).encode())
     digest.update(repr((program.feature_dim, program.captured.batch_range, signature)).encode())
@@ -139,7 +137,7 @@ def record(program: LinearizedProgram, model: torch.nn.Module, graph: GraphModul
     derived = {node.target: (index[id(getattr(graph, node.target))], tuple(getattr(graph, node.target).stride()))
                for node in graph.graph.nodes
                if node.op == "get_attr" and id(getattr(graph, node.target)) in index}
-    return {"format": FORMAT, "flops": flops, "derived": derived,
+    return {"flops": flops, "derived": derived,
             "graph": _skeleton(graph, bound, set(derived)),
             "prelude": _skeleton(parameter_derived.prelude, bound) if parameter_derived else None}
 
@@ -221,8 +219,6 @@ def load(file_key: str, program: LinearizedProgram, model: torch.nn.Module) -> S
         with open(path, "rb") as file:
             saved = pickle.load(file)
         os.utime(path)  # used: the last to be removed (see MAX_SAVED)
-        if saved.get("format") != FORMAT:
-            return None
         return bound(saved, program, model)
     except Exception as error:  # noqa: BLE001 — a damaged file is traced again and replaced
         log.info("the saved traced explanation %s could not be loaded (%s); tracing it again", path,
