@@ -15,7 +15,9 @@ its input gradient (:func:`~omenn_kernels.folding.scale_gradients_not_kernels`),
 runs a float32 CPU graph's convolutions of constant kernels on oneDNN with the kernels
 reordered once (:mod:`~omenn_kernels.backends.packed_weights`), and compiles that graph
 (Inductor; CUDA graphs on CUDA; on the CPU a C++ wrapper around the kernels of a graph of few
-FLOPs, see :func:`inductor`). Most fused ops are traced as their aten math, so that
+FLOPs, see :func:`inductor`; on the CPU, the Python wrapper around a graph whose repeated
+blocks, a transformer's layers or a stage's bottlenecks, each call one shared subgraph that
+Inductor generates once, :mod:`~omenn_kernels.backends.regions`). Most fused ops are traced as their aten math, so that
 Inductor fuses them with their neighbours (:func:`~omenn_kernels.ops.traced_as_aten`).
 Later calls with the same signature run the compiled graph only: no Python per node, no
 rule dispatch. Every call of a signature, the first included, returns the compiled graph's
@@ -87,8 +89,8 @@ from ..linearize.program import LinearizedProgram
 from ..linearize.values import channels_last as is_channels_last, traced_forwards
 from ..ops import traced_as_aten
 from ..readout import Readout
-from . import fused, saved_graphs
-from .executor import BackendExplanation, ParameterGradient, held_pass
+from . import fused, regions, saved_graphs
+from .executor import BackendExplanation, ParameterGradient, held_pass, observing_steps
 from .layout import in_layout_of, runs_channels_last
 from .parameter_only import ParameterDerived, hoist_parameter_only
 from .packed_weights import (constant_kernels, forget_reordered_kernel, forget_reordered_kernels,
@@ -152,7 +154,7 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
         cpp_wrapper = flops <= CPP_WRAPPER_FLOPS_PER_THREAD * torch.get_num_threads()
         log.debug("compiling a graph of %.3g GFLOP with a %s wrapper", flops / 1e9, "C++" if cpp_wrapper else "Python")
 
-    def compile_with(cpp_wrapper: bool) -> Callable:
+    def compile_with(graph: torch.fx.GraphModule, cpp_wrapper: bool) -> Callable:
         # A first-order graph gets a fake mode with a shape environment (of static shapes: the
         # graph is specialized on its input's), without which Inductor bypasses its on-disk graph
         # cache and every process generates the graph's code again. Not a differentiable one:
@@ -164,7 +166,11 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
                 tracing(TracingContext(fake_mode)) if fake_mode is not None else contextlib.nullcontext():
             # On the CPU, Inductor's channels-last layout for convolutions copies every kernel and
             # activation it converts, at a cost in time and memory; it keeps the layout it is given.
-            return compile_fx(graph, example, config_patches={"triton.cudagraphs": cuda and not differentiable,
+            # AOTAutograd would make the real inputs' sizes symbolic, which a called subgraph
+            # (see regions) cannot take: the Python wrapper gets them fake and static.
+            inputs = [fake_mode.from_tensor(t, static_shapes=True) for t in example] \
+                if fake_mode is not None and not cpp_wrapper else example
+            return compile_fx(graph, inputs, config_patches={"triton.cudagraphs": cuda and not differentiable,
                                                               "layout_optimization": cuda,
                                                               "cpp_wrapper": cpp_wrapper})
 
@@ -176,11 +182,20 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
             if node.op == "placeholder":
                 node.meta.pop("val", None)
         try:
-            return compile_with(cpp_wrapper=True)
+            return compile_with(graph, cpp_wrapper=True)
         except Exception as error:  # the C++ wrapper only saves time: what it cannot compile, Python's may
             log.info("Inductor's C++ wrapper did not compile the explanation (%s); compiling it with the "
                      "Python wrapper", first_line(error))
-    return compile_with(cpp_wrapper=False)
+    if not cuda and not differentiable:
+        # Repeated blocks compiled once (Inductor's C++ wrapper cannot call a subgraph).
+        outlined = regions.outlined(graph)
+        if outlined is not None:
+            try:
+                return compile_with(outlined, cpp_wrapper=False)
+            except Exception as error:  # outlining only saves time: the whole graph compiles without it
+                log.info("Inductor did not compile the explanation with its repeated blocks outlined (%s); "
+                         "compiling the whole graph", first_line(error))
+    return compile_with(graph, cpp_wrapper=False)
 
 
 @dataclass(frozen=True)
@@ -520,7 +535,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
                                                  tuple]:
         started = time.perf_counter()
         # One fake mode for every traced value's metadata, where make_fx would make one per value.
-        with traced_forwards(), tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
+        with traced_forwards(), observing_steps(regions.Recorder()), \
+                tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
             graph = make_fx(explanation, decomposition_table=decompositions)(*example)
         started = timed("trace", started)
         folded = fold_shape_only(graph, example)

@@ -24,8 +24,10 @@ from it instead of computing them again (a fused convolution or linear layer, at
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Literal, Mapping, NamedTuple
+from contextvars import ContextVar
+from typing import Any, Callable, Iterator, Literal, Mapping, NamedTuple, Protocol
 
 import torch
 
@@ -138,6 +140,28 @@ class _Detached:
         return None
 
 
+class StepObserver(Protocol):
+    """Told of each step a forward runs, and of its output (see :func:`observing_steps`)."""
+
+    def step(self, step: Step) -> None: ...
+
+    def done(self, output: Live) -> None: ...
+
+
+_OBSERVER: ContextVar[StepObserver | None] = ContextVar("omenn_step_observer", default=None)
+
+
+@contextlib.contextmanager
+def observing_steps(observer: StepObserver) -> Iterator[None]:
+    """Forwards run inside call ``observer.step`` before each step and ``observer.done`` with the
+    LIVE output (a trace records which graph nodes each step made: :mod:`.regions`)."""
+    token = _OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
+
+
 def held_pass(program: LinearizedProgram, env: dict, x: torch.Tensor, reuse_results: bool = False
               ) -> tuple[dict, dict]:
     """The model's own forward of ``x`` detached, every node's result by name; ``env`` binds the
@@ -182,9 +206,12 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     # The rules a forward runs, so the biases it meets, differ with the parameter gradient.
     ones_key = (tuple(ones.shape), parameter_gradient)
     decided = _ONES_DECIDED.setdefault(program, {})
+    observer = _OBSERVER.get()
     with ones_checks(decided.get(ones_key)) as checks:
         for prepared in _prepared(program):
             step, name = prepared.step, prepared.name
+            if observer is not None:
+                observer.step(step)
             if step.kind is Kind.LIVE:
                 env[name] = _run_rule(prepared, implementation(step.rule), env, held, results.pop(name, None))
             else:  # may read only the shape of a LIVE argument
@@ -208,6 +235,8 @@ def forward(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
             "through supported rules",
             op=op_name(producer.node.target) if producer else "",
             module_path=producer.module_path if producer else "", rule_kind="a LIVE output")
+    if observer is not None:
+        observer.done(output)
     return output, model_output
 
 

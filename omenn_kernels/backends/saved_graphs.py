@@ -43,6 +43,7 @@ from torch.fx import GraphModule
 from ..capture import bound_tensors
 from ..errors import first_line
 from ..linearize.program import LinearizedProgram
+from . import regions
 from .parameter_only import ParameterDerived
 
 log = logging.getLogger("omenn_kernels.compiled")
@@ -137,7 +138,11 @@ def record(program: LinearizedProgram, model: torch.nn.Module, graph: GraphModul
     derived = {node.target: (index[id(getattr(graph, node.target))], tuple(getattr(graph, node.target).stride()))
                for node in graph.graph.nodes
                if node.op == "get_attr" and id(getattr(graph, node.target)) in index}
-    return {"flops": flops, "derived": derived,
+    # Per input and operation in order, what outlining repeated blocks reads (:mod:`.regions`): the
+    # saved code keeps no metadata.
+    labels = [(node.meta.get(regions.REGION), regions.described(node.meta["val"]) if "val" in node.meta else None)
+              for node in _labelled(graph)]
+    return {"flops": flops, "derived": derived, "regions": labels,
             "graph": _skeleton(graph, bound, set(derived)),
             "prelude": _skeleton(parameter_derived.prelude, bound) if parameter_derived else None}
 
@@ -162,7 +167,28 @@ def bound(saved: dict, program: LinearizedProgram, model: torch.nn.Module) -> Sa
         parameter_derived = ParameterDerived(prelude, values, sources)
     graph.recompile()
     graph.meta["matrix_flops"] = saved["flops"]
+    nodes = _labelled(graph)
+    if len(nodes) == len(saved["regions"]):
+        for node, (label, description) in zip(nodes, saved["regions"]):
+            if label is not None:
+                node.meta[regions.REGION] = label
+            if description is not None:
+                node.meta[regions.DESCRIBED] = description
     return SavedGraph(graph, parameter_derived)
+
+
+def _labelled(graph: GraphModule) -> list[torch.fx.Node]:
+    """The nodes that keep their order when the graph's code is traced again: its inputs and the
+    operations that read an input or attribute (operations of none, ``zeros`` and what is computed
+    from it alone, come back as constants)."""
+    constant: set[torch.fx.Node] = set()
+    labelled = []
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and all(arg in constant for arg in node.all_input_nodes):
+            constant.add(node)
+        elif node.op in ("placeholder", "call_function"):
+            labelled.append(node)
+    return labelled
 
 
 def _bound(skeleton: tuple[bytes, dict[str, str]], named: dict[str, torch.Tensor]) -> GraphModule:

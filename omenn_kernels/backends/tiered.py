@@ -44,7 +44,7 @@ from .executor import BackendExplanation, ParameterGradient
 
 log = logging.getLogger("omenn_kernels.tiered")
 
-# Seconds of fused calls after which a signature is compiled: about a compilation's time on an
+# Seconds of fused calls after which a signature is compiled: at least a compilation's time on an
 # empty Inductor cache for a ViT-S or a ResNet-50 on one CPU thread.
 COMPILE_AFTER_SECONDS = 120.0
 # The same for a signature whose checked graph a process saved earlier (see saved_graphs): about
