@@ -2,7 +2,8 @@
 
 The library is built just in time with ``torch.utils.cpp_extension.load`` and ninja (no
 CUDA; ``-O3 -fopenmp -fno-trapping-math``), cached by torch (``$TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``), and loaded as a plain shared library, not a Python
+default ``~/.cache/torch_extensions``) in a folder of its own per checkout of ``csrc/``
+(:func:`build_directory`), and loaded as a plain shared library, not a Python
 module: loading it registers its kernels with the dispatcher (``csrc/bindings.cpp``).
 
 ``-fno-trapping-math`` changes no result (it only stops GCC from assuming that
@@ -33,6 +34,7 @@ convolutions' reordered weights, available once it is loaded:
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -103,6 +105,17 @@ def _preflight() -> str:
     return ninja
 
 
+def build_directory(csrc: Path = CSRC) -> str:
+    """Where the library from the sources in ``csrc`` is built and cached: torch's folder for an
+    extension named after the library and ``csrc``'s path. torch rebuilds an extension whose
+    sources' paths changed, so two checkouts (a clone beside a working copy, two venvs) sharing
+    one folder would each rebuild it in the other's first call."""
+    from torch.utils import cpp_extension
+
+    checkout = hashlib.sha256(str(csrc.resolve()).encode()).hexdigest()[:12]
+    return cpp_extension._get_build_directory(f"{NAME}_{checkout}", verbose=False)
+
+
 @functools.cache
 def _build() -> BaseException | None:
     """Build and load the library once per process; a failure is remembered, not retried."""
@@ -132,6 +145,7 @@ def _build() -> BaseException | None:
             extra_ldflags=LDFLAGS,
             with_cuda=False,
             is_python_module=False,
+            build_directory=build_directory(),
             verbose=False,
         )
     except Exception as exc:  # compiler errors, missing OpenMP, a broken cache, ...

@@ -79,6 +79,20 @@ def test_loader_loads_once_and_registers_the_kernels():
     assert torch.ops.omenn.forget_packed_weight(torch.randn(2)) == 0
 
 
+def test_each_checkout_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """Two checkouts of the sources (a clone beside a working copy) sharing torch's extensions
+    folder would rebuild the library in each other's first call: each gets its own folder, and
+    the loaded library is the one built in this checkout's."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here, other = native.build_directory(), native.build_directory(tmp_path / "clone" / "csrc")
+    assert here != other and Path(here).parent == Path(other).parent == tmp_path
+    assert native.build_directory() == here and Path(here).name.startswith(native.NAME)
+    monkeypatch.undo()
+    native.load_cpu_kernels()
+    (library,) = [path for path in torch.ops.loaded_libraries if native.NAME in Path(path).name]
+    assert Path(library).parent == Path(native.build_directory())
+
+
 def test_simd_flags_follow_atens_cpu_capability():
     assert "-DCPU_CAPABILITY_AVX512" in native._simd_flags("AVX512")
     assert "-mavx512f" in native._simd_flags("AVX512")
