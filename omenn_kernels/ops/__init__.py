@@ -20,7 +20,9 @@ module                  op (``torch.ops.omenn``)     CPU                        
                                                      compiled graphs)
 ======================  ===========================  ===============================  ==============================
 
-Ops with a Triton kernel are ``torch.library.triton_op``: under ``torch.compile`` Inductor
+Each op is a :class:`FusedOp` (decorator :func:`fused_op`): the ``torch.library`` op that
+traces and dispatch modes see, called by the eager backends without the dispatcher's
+Python. Ops with a Triton kernel are ``torch.library.triton_op``: under ``torch.compile`` Inductor
 sees the Triton kernel itself (and CUDA graphs can capture it); on the CPU the same op
 (and ``linear_ones``) calls an opaque op of its own (``activation_cpu``,
 ``conv2d_ones_backward_cpu``, ``linear_ones_cpu``, ...) whose
@@ -77,6 +79,73 @@ def fills_padding(ones: torch.Tensor) -> bool:
     ``ones`` (:func:`~omenn_kernels.linearize.values.reached`): the fused ops add it over the
     ones as they are, so the reference math runs there."""
     return reached(ones) is not ones
+
+
+class FusedOp:
+    """A fused op, registered with ``torch.library`` as ``torch.ops.omenn.<name>``, and the
+    callable the rules call.
+
+    A custom op called eagerly crosses the dispatcher into Python several times per call
+    (its autograd kernel, a redispatch below autograd, its Python kernel, the aliasing
+    checks), which on a small model costs as much as its arithmetic. Called where only
+    eager PyTorch runs, this runs the op's own function under an ``autograd.Function``
+    made of the op's own ``setup_context`` and ``backward``: the same numbers and the same
+    autograd graph shape, without those crossings. Wherever something must see the op
+    itself (a ``make_fx`` or Dynamo trace, fake tensors, a dispatch mode such as
+    ``FlopCounterMode``, a functorch transform, a tensor subclass) the call is the op's.
+    """
+
+    def __init__(self, op, function: Callable[..., Any]) -> None:
+        self.op = op
+        self._function = function
+        self._autograd: type[torch.autograd.Function] | None = None
+        functools.update_wrapper(self, function)
+
+    def register_fake(self, fake: Callable[..., Any]) -> Callable[..., Any]:
+        """The op's fake (shapes from shapes); usable as a decorator."""
+        self.op.register_fake(fake)
+        return fake
+
+    def register_autograd(self, backward: Callable[..., Any], *, setup_context: Callable[..., Any]) -> None:
+        """The op's backward, for the op and for its eager form alike."""
+        self.op.register_autograd(backward, setup_context=setup_context)
+        function = self._function
+
+        def forward(ctx, *args):  # with ctx, the faster form of autograd.Function.apply
+            output = function(*args)
+            setup_context(ctx, args, output)
+            return output
+
+        name = "".join(part.title() for part in function.__name__.split("_"))
+        self._autograd = type(f"{name}Function", (torch.autograd.Function,),
+                              {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs or self._autograd is None or _op_must_be_seen(args):
+            return self.op(*args, **kwargs)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return self._autograd.apply(*args)
+        return self._function(*args)
+
+
+def _op_must_be_seen(args: tuple) -> bool:
+    """Whether a trace, a mode, a transform or a tensor subclass must see a call as the op's."""
+    return (torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
+            or any(isinstance(a, torch.Tensor) and type(a) not in _PLAIN_TENSORS for a in args))
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def fused_op(name: str, *, triton: bool = False) -> Callable[[Callable[..., Any]], FusedOp]:
+    """Decorator: ``function`` as the :class:`FusedOp` ``name`` (``"omenn::<op>"``), a
+    ``torch.library.triton_op`` where ``triton`` (its CUDA kernels are Triton's, which
+    Inductor then sees), else a ``torch.library.custom_op``. Neither mutates its arguments."""
+    def define(function: Callable[..., Any]) -> FusedOp:
+        register = torch.library.triton_op if triton else torch.library.custom_op
+        return FusedOp(register(name, function, mutates_args=()), function)
+    return define
 
 
 def fuse(ops: Iterable, can_fuse: Callable[..., bool], run: Callable[..., Any]) -> None:
@@ -161,5 +230,6 @@ def shape_only_outputs() -> dict:
 # Each module attaches its op's form of a rule.
 from . import activation, attention, batch_norm_ones, conv_bias, layer_norm_ones, linear_ones, max_pool  # noqa: E402
 
-__all__ = ["activation", "attention", "batch_norm_ones", "conv_bias", "constants", "fills_padding", "fuse",
-           "kernels_available", "layer_norm_ones", "linear_ones", "max_pool", "shape_only_outputs", "traced_as_aten"]
+__all__ = ["FusedOp", "activation", "attention", "batch_norm_ones", "conv_bias", "constants", "fills_padding",
+           "fuse", "fused_op", "kernels_available", "layer_norm_ones", "linear_ones", "max_pool", "shape_only_outputs",
+           "traced_as_aten"]

@@ -20,13 +20,12 @@ gradient) the rule's reference math runs instead.
 from __future__ import annotations
 
 import torch
-from torch.library import triton_op
 
 from ..linearize.registry import arguments
 from ..linearize.rules.activation import multiplier
 from ..linearize.values import Live
 from ..native import define_cpu_op
-from . import fuse, kernels_available
+from . import fuse, fused_op, kernels_available
 
 aten = torch.ops.aten
 
@@ -72,7 +71,7 @@ _activation_backward_cpu = define_cpu_op(
     lambda grad, x, kind, slope: torch.empty_like(x))
 
 
-@triton_op("omenn::activation", mutates_args=())
+@fused_op("omenn::activation", triton=True)
 def activation(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
     """``x·ξ(x)`` for the activation ``kind`` (see :func:`fused_kind`), ``ξ`` held."""
     if x.device.type == "cuda":
@@ -82,7 +81,7 @@ def activation(x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
     return _activation_cpu(x, kind, slope)
 
 
-@triton_op("omenn::activation_backward", mutates_args=())
+@fused_op("omenn::activation_backward", triton=True)
 def activation_backward(grad: torch.Tensor, x: torch.Tensor, kind: str, slope: float) -> torch.Tensor:
     """``grad·ξ(x)``, ``ξ`` recomputed from ``x``."""
     if x.device.type == "cuda":

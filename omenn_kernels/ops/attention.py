@@ -22,7 +22,6 @@ import math
 from typing import Optional
 
 import torch
-from torch.library import triton_op
 from torch.utils.flop_counter import (flop_registry, register_flop_formula, sdpa_backward_flop_count,
                                       sdpa_flop_count)
 
@@ -30,7 +29,7 @@ from ..linearize.registry import arguments
 from ..linearize.rules import attention as attention_rules
 from ..linearize.values import Gate, Live
 from ..native import define_cpu_op
-from . import fuse, kernels_available
+from . import fuse, fused_op, kernels_available
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -83,7 +82,7 @@ attention_backward_dv_cpu = define_cpu_op("attention_backward_dv_cpu(Tensor q, T
 # --------------------------------------------------------------------------- the op
 
 
-@triton_op("omenn::attention", mutates_args=())
+@fused_op("omenn::attention", triton=True)
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(softmax(QKᵀ·scale + bias)·V, logsumexp)`` with the weights held constant (R6).
@@ -96,7 +95,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[
     return attention_cpu(q, k, v, bias, scale)
 
 
-@triton_op("omenn::attention_backward_dv", mutates_args=())
+@fused_op("omenn::attention_backward_dv", triton=True)
 def attention_backward_dv(q: torch.Tensor, k: torch.Tensor, grad: torch.Tensor, lse: torch.Tensor,
                           bias: Optional[torch.Tensor], scale: float) -> torch.Tensor:
     """``dV = Pᵀ·grad`` with ``P = exp(QKᵀ·scale + bias − lse)`` recomputed."""

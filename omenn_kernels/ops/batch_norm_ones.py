@@ -20,7 +20,7 @@ import torch
 from ..linearize.registry import arguments
 from ..linearize.rules.norm import affine_of, channel_view
 from ..linearize.values import Live
-from . import fills_padding, fuse
+from . import fills_padding, fuse, fused_op
 
 
 def value(x: torch.Tensor, ones: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,7 @@ def value(x: torch.Tensor, ones: torch.Tensor, scale: torch.Tensor, shift: torch
     return x * channel_view(scale, x) + channel_view(shift, x)
 
 
-@torch.library.custom_op("omenn::batch_norm_ones", mutates_args=())
+@fused_op("omenn::batch_norm_ones")
 def batch_norm_ones(x: torch.Tensor, ones: torch.Tensor, scale: torch.Tensor,
                     shift: torch.Tensor) -> torch.Tensor:
     """R3's value ``x·s + b'`` (the ones are 1 wherever they are used).
@@ -59,7 +59,7 @@ def gradients(grad: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> t
     return grad_x, per_pixel.view(grad.shape[0], 1, *grad.shape[2:])
 
 
-@torch.library.custom_op("omenn::batch_norm_ones_backward", mutates_args=())
+@fused_op("omenn::batch_norm_ones_backward")
 def batch_norm_ones_backward(grad: torch.Tensor, scale: torch.Tensor,
                              shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """R3's backward with ones shared per pixel: ``dy·s`` and ``Σ_c dy·b'`` (N, 1, H, W)."""

@@ -31,14 +31,13 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.library import triton_op
 from torch.utils.flop_counter import conv_flop_count, register_flop_formula
 
 from ..linearize.registry import arguments
 from ..linearize.rules.conv import cuts_patches, pair
 from ..linearize.values import Live, channel_rows, channels_last
 from ..native import define_cpu_op
-from . import constants, fills_padding, fuse, kernels_available
+from . import constants, fills_padding, fuse, fused_op, kernels_available
 
 
 def value_and_ones(x: torch.Tensor, ones: torch.Tensor, window_sum: torch.Tensor, weight: torch.Tensor,
@@ -49,7 +48,7 @@ def value_and_ones(x: torch.Tensor, ones: torch.Tensor, window_sum: torch.Tensor
     return value, (window_sum > 0).to(x.dtype)
 
 
-@torch.library.custom_op("omenn::conv2d_ones", mutates_args=())
+@fused_op("omenn::conv2d_ones")
 def conv2d_ones(x: torch.Tensor, ones: torch.Tensor, window_sum: torch.Tensor, weight: torch.Tensor,
                 bias: Optional[torch.Tensor], stride: list[int], padding: list[int],
                 dilation: list[int], groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +123,7 @@ def _conv2d_input_grad_packed_flops(grad_shape, w_shape, *_args, out_shape, **_k
     return conv_flop_count(grad_shape, w_shape, grad_shape)
 
 
-@torch.library.custom_op("omenn::conv2d_input_grad", mutates_args=())
+@fused_op("omenn::conv2d_input_grad")
 def conv2d_input_grad(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, stride: list[int],
                       padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
     """The input gradient ``convᵀ(grad, W)`` of a 2-D convolution of ``x`` (read for its shape)."""
@@ -180,7 +179,7 @@ _conv2d_ones_backward_cpu = define_cpu_op(
     "int[] kernel_size, int[] stride, int[] padding, int[] dilation) -> Tensor", _ones_gradient_fake)
 
 
-@triton_op("omenn::conv2d_ones_backward", mutates_args=())
+@fused_op("omenn::conv2d_ones_backward", triton=True)
 def conv2d_ones_backward(grad: torch.Tensor, grad_ones: torch.Tensor, bias: Optional[torch.Tensor],
                          window_sum: torch.Tensor, input_size: list[int], kernel_size: list[int],
                          stride: list[int], padding: list[int], dilation: list[int]) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from ..linearize.registry import arguments
 from ..linearize.rules.norm import as_op_result
 from ..linearize.values import Live
-from . import constants, fills_padding, fuse
+from . import constants, fills_padding, fuse, fused_op
 
 
 def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
@@ -38,7 +38,7 @@ def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: Optional[torch.T
     return value, ones_bar, inverse_scale
 
 
-@torch.library.custom_op("omenn::layer_norm_ones", mutates_args=())
+@fused_op("omenn::layer_norm_ones")
 def layer_norm_ones(x: torch.Tensor, ones: torch.Tensor, weight: Optional[torch.Tensor],
                     bias: Optional[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """R3' over the last dim: ``((x − mean)·(1/σ)·γ + β·Ō, Ō, 1/σ)``, ``1/σ`` held (no gradient)."""

@@ -33,7 +33,7 @@ from torch.utils.flop_counter import register_flop_formula
 from ..linearize.registry import arguments
 from ..linearize.values import Live, reached
 from ..native import available, define_cpu_op
-from . import constants, fuse
+from . import constants, fuse, fused_op
 
 
 def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -65,7 +65,7 @@ def value_and_ones_cpu(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor
     return linear_ones_cpu(x, ones, weight, bias)
 
 
-@torch.library.custom_op("omenn::linear_ones", mutates_args=())
+@fused_op("omenn::linear_ones")
 def linear_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """R1 ``(xWᵀ + b·Ō, Ō)`` with ``Ō`` the mean of ``ones`` over the last dim (1 wherever used).
@@ -104,7 +104,7 @@ def input_grad(grad: torch.Tensor, weight: torch.Tensor, start: int, stop: int) 
     return product.view(*grad.shape[:-1], weight.shape[1])
 
 
-@torch.library.custom_op("omenn::linear_input_grad", mutates_args=())
+@fused_op("omenn::linear_input_grad")
 def linear_input_grad(grad: torch.Tensor, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """``grad·W`` over the output features ``start:stop``, the only ones that receive a gradient."""
     return input_grad(grad, weight, start, stop)

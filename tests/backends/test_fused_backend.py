@@ -163,6 +163,62 @@ def _opcheck(op, args):
                                                 "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
+def _layer_norm_call(op):
+    torch.manual_seed(2)
+    x = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
+    ones = torch.rand(2, 5, 7, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    return op(x, ones, weight, bias, 1e-5)[:2], (x, ones, weight, bias)
+
+
+def _linear_call(op):
+    torch.manual_seed(3)
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    ones = torch.rand(2, 5, 1, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(9, 6, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(9, dtype=torch.float64, requires_grad=True)
+    return op(x, ones, weight, bias, 3, 9), (x, ones, weight, bias)
+
+
+def _activation_call(op):
+    torch.manual_seed(4)
+    x = torch.randn(2, 5, 7, dtype=torch.float64, requires_grad=True)
+    return (op(x, "gelu", 0.0),), (x,)
+
+
+@pytest.mark.parametrize("fused_op, call", [(layer_norm_ones.layer_norm_ones, _layer_norm_call),
+                                             (linear_ones.linear_ones, _linear_call),
+                                             (activation.activation, _activation_call)],
+                         ids=["layer_norm_ones", "linear_ones", "activation"])
+def test_a_fused_op_called_eagerly_is_the_op_without_the_dispatcher(fused_op, call):
+    """Called eagerly, a :class:`~omenn_kernels.ops.FusedOp` runs its function under an
+    autograd.Function of the op's own backward; under a dispatch mode (here FlopCounterMode,
+    as under a trace) the call is the op's. Both give the same values and first and second
+    derivatives (float64, bitwise: the same functions run)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    eager_outputs, eager_inputs = call(fused_op)
+    with FlopCounterMode(display=False):
+        op_outputs, op_inputs = call(fused_op)
+    assert type(eager_outputs[0].grad_fn).__name__.endswith("FunctionBackward")
+    assert type(op_outputs[0].grad_fn).__name__.startswith("GeneratedBackwardFor_omenn_")
+    results = []
+    for outputs, inputs in ((eager_outputs, eager_inputs), (op_outputs, op_inputs)):
+        torch.manual_seed(6)
+        readout = sum((output * torch.randn_like(output)).sum() for output in outputs)
+        first = torch.autograd.grad(readout, inputs, create_graph=True, allow_unused=True)
+        differentiable = [g for g in first if g is not None and g.requires_grad]  # ξ and 1/σ are held
+        second = torch.autograd.grad(sum(g.square().sum() for g in differentiable), inputs,
+                                     allow_unused=True) if differentiable else ()
+        results.append([*outputs, *first, *second])
+    assert len(results[0]) == len(results[1])
+    for got, want in zip(*results):
+        assert (got is None) == (want is None)
+        if got is not None:
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["gelu", "gelu_tanh", "silu", "relu", "leaky_relu", "hardswish"])
 def test_opcheck_activation(kind):
     x = torch.randn(2, 5, 7, requires_grad=True)
