@@ -69,6 +69,7 @@ Read-outs given as a :class:`~omenn_kernels.readout.ReadoutFunction` are traced 
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import operator
 import time
@@ -501,8 +502,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     complete explanation (see :func:`_mismatch`). A differentiable explanation's compiled
     graph must also give the parameters the fused backend's gradient
     (:func:`_gradient_mismatch`). A float32 graph on the CPU is first tried with its
-    convolutions on oneDNN (:mod:`~omenn_kernels.backends.packed_weights`), and traced and
-    compiled again with ATen's where that does not pass. Returns ``(_FAILED, None)`` (after
+    convolutions on oneDNN (:mod:`~omenn_kernels.backends.packed_weights`), and checked and
+    compiled again with ATen's where that does not pass (the trace is made once). Returns ``(_FAILED, None)`` (after
     one warning naming the cause) where tracing or compiling fails or a check does not hold.
 
     With a ``saved_key`` the graph that passes its checks is saved for later processes
@@ -531,8 +532,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         stages[stage] += now - started
         return now
 
-    def traced_and_compiled(pack: bool) -> tuple[torch.fx.GraphModule, Callable | None, tuple | None, str | None,
-                                                 tuple]:
+    def traced() -> tuple[torch.fx.GraphModule, int, ParameterDerived | None]:
         started = time.perf_counter()
         # One fake mode for every traced value's metadata, where make_fx would make one per value.
         with traced_forwards(), observing_steps(regions.Recorder()), \
@@ -541,13 +541,21 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         started = timed("trace", started)
         folded = fold_shape_only(graph, example)
         parameter_derived = hoist_parameter_only(graph)
+        timed("passes", started)
+        return graph, folded, parameter_derived
+
+    def checked_and_compiled(graph: torch.fx.GraphModule, parameter_derived: ParameterDerived | None, pack: bool
+                             ) -> tuple[torch.fx.GraphModule, Callable | None, tuple | None, str | None, tuple]:
+        started = time.perf_counter()
+        if pack:  # on a copy of the graph (its tensors shared): the graph stays for ATen's convolutions
+            graph = torch.fx.GraphModule(graph, copy.deepcopy(graph.graph))
         packed = pack_constant_convolutions(graph) if pack else 0
         scale_gradients_not_kernels(graph.graph)
         graph.recompile()
         started = timed("passes", started)
         with torch.no_grad():  # values only: the gradient is checked on the compiled graph
             replayed = BackendExplanation(*graph(*example))
-        counts = (folded, parameter_derived, packed, None)
+        counts = (packed, parameter_derived, None)
         mismatch = _mismatch(replayed, _detached(expected), x, "traced", exact_order=not decompositions)
         started = timed("check traced", started)
         if mismatch:  # not worth compiling
@@ -564,7 +572,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
                          type(model).__name__, first_line(error))
                 saved = None
             started = timed("save", started)
-        counts = (folded, parameter_derived, packed, saved)
+        counts = (packed, parameter_derived, saved)
         compiled = COMPILER(graph, example)
         started = timed("inductor", started)
         with torch.set_grad_enabled(differentiable):
@@ -578,9 +586,16 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     # beyond the checks' tolerance (a ReLU gate flipped by a rounding), ATen's are kept.
     onednn = x.device.type == "cpu" and x.dtype == torch.float32 and not differentiable and packing_available()
     start = time.perf_counter()
-    for pack in (True, False) if onednn else (False,):
+    mismatch = None
+    try:
+        traced_graph, folded, traced_parameter_derived = traced()
+        failure = None
+    except Exception as error:  # any failure of the toolchain falls back, never a wrong map
+        failure = first_line(error)
+    for pack in ((True, False) if onednn else (False,)) if failure is None else ():
         try:
-            graph, compiled, result, mismatch, (folded, parameter_derived, packed, saved) = traced_and_compiled(pack)
+            graph, compiled, result, mismatch, (packed, parameter_derived, saved) = checked_and_compiled(
+                traced_graph, traced_parameter_derived, pack)
             failure = None
         except Exception as error:  # any failure of the toolchain falls back, never a wrong map
             failure = first_line(error)

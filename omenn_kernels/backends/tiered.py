@@ -25,7 +25,8 @@ Numbers: calls before the switch return the fused backend's explanation, calls f
 compiled graph's, which differ from it by rounding (checked at compile time: 1e-5 relative
 in float32, 1e-8 in float64). The switch follows measured time, so two runs of one script can
 switch at different calls; name a backend (``fused`` or ``compiled``) for numbers that do not
-depend on timing (``omenn explain`` does: its ``auto`` is ``fused``).
+depend on timing. ``omenn explain``'s ``auto`` runs one backend for the whole run and records it
+in the store, so that a resumed run goes on with the same one.
 """
 
 from __future__ import annotations

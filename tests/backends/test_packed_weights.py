@@ -107,9 +107,16 @@ def test_float64_and_differentiable_explanations_keep_atens_convolutions(monkeyp
 @pytest.mark.parametrize("fault", ["raises", "wrong map"])
 def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault, monkeypatch, caplog):
     """Where oneDNN's rounding (here: a forced fault) does not pass the checks against the fused
-    backend, the signature is compiled again with ATen's convolutions, without a warning."""
+    backend, the signature is compiled again with ATen's convolutions, without a warning, from
+    the same trace."""
     monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
-    pack = compiled.pack_constant_convolutions
+    pack, make_fx, traces = compiled.pack_constant_convolutions, compiled.make_fx, []
+
+    def counted_make_fx(*args, **kwargs):
+        traces.append(args[0])
+        return make_fx(*args, **kwargs)
+
+    monkeypatch.setattr(compiled, "make_fx", counted_make_fx)
 
     def faulty(graph: torch.fx.GraphModule) -> int:
         if fault == "raises":
@@ -131,5 +138,6 @@ def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault
     assert not PACKED & set(_called(explainer, x))
     assert "aten.convolution.default" in _called(explainer, x)
     assert any("with oneDNN's convolutions did not pass its checks" in r.getMessage() for r in caplog.records)
+    assert len(traces) == 1
     native.load_cpu_kernels()
     assert torch.ops.omenn.clear_packed_weights() == 0  # the failed graph's kernels are not kept
