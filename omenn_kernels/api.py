@@ -162,7 +162,7 @@ class Explainer:
             first call of a signature runs eagerly and compiles, with ``create_graph`` too;
             one graph serves every batch size; read-outs given as functions run on
             ``"fused"``) or ``"auto"``, the default: on the CPU ``"fused"`` until a
-            signature's calls have taken two minutes, then ``"compiled"`` for first-order
+            signature's calls have taken a minute, then ``"compiled"`` for first-order
             explanations (:mod:`omenn_kernels.backends.tiered`); ``"reference"`` on CUDA.
         output: which tensor of the model's output holds the logits: None (default) for
             the output itself, the first element of a tuple or list, or the ``"logits"``

@@ -45,9 +45,10 @@ from .executor import BackendExplanation, ParameterGradient
 
 log = logging.getLogger("omenn_kernels.tiered")
 
-# Seconds of fused calls after which a signature is compiled: at least a compilation's time on an
-# empty Inductor cache for a ViT-S or a ResNet-50 on one CPU thread.
-COMPILE_AFTER_SECONDS = 120.0
+# Seconds of fused calls after which a signature is compiled: about a compilation's time on an
+# empty Inductor cache on one CPU thread (half a minute for a ViT-S, the parts models or a small
+# LM, about a minute for a ResNet-50 or a ViT-B/16; bench/README.md).
+COMPILE_AFTER_SECONDS = 60.0
 # The same for a signature whose checked graph a process saved earlier (see saved_graphs): about
 # the time to load it and read Inductor's code back for a ViT-S on one CPU thread.
 COMPILE_SAVED_AFTER_SECONDS = 10.0
