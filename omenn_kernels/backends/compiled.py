@@ -502,9 +502,10 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     complete explanation (see :func:`_mismatch`). A differentiable explanation's compiled
     graph must also give the parameters the fused backend's gradient
     (:func:`_gradient_mismatch`). A float32 graph on the CPU is first tried with its
-    convolutions on oneDNN (:mod:`~omenn_kernels.backends.packed_weights`), and checked and
-    compiled again with ATen's where that does not pass (the trace is made once). Returns ``(_FAILED, None)`` (after
-    one warning naming the cause) where tracing or compiling fails or a check does not hold.
+    convolutions on oneDNN (:mod:`~omenn_kernels.backends.packed_weights`), on a copy of the
+    trace, and checked and compiled again with ATen's where that does not pass. Returns
+    ``(_FAILED, None)`` (after one warning naming the cause) where tracing or compiling fails
+    or a check does not hold.
 
     With a ``saved_key`` the graph that passes its checks is saved for later processes
     (:mod:`~omenn_kernels.backends.saved_graphs`); the graph compiled is the one they will load
