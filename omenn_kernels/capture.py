@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.module_tracker import ModuleTracker
 
 from .errors import CaptureError, InputError, OutputError
+from .early_selection import select_early
 from .folding import fold_batch_norms
 
 log = logging.getLogger("omenn_kernels.capture")
@@ -164,7 +165,7 @@ def eval_semantics(model: torch.nn.Module) -> Iterator[None]:
 
 
 def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelector = None,
-            fold_batch_norm: bool = True) -> CapturedModel:
+            fold_batch_norm: bool = True, select_first: bool = True) -> CapturedModel:
     """Capture ``model(example)`` with ``torch.export`` (non-strict) in eval semantics, the output
     tensor that ``output`` selects (:func:`selected_output`) as the graph's one output.
 
@@ -176,6 +177,11 @@ def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelecto
 
     ``fold_batch_norm``: merge each eval-mode BatchNorm into the convolution that feeds it
     (:mod:`~omenn_kernels.folding`; the same explanation, up to rounding).
+
+    ``select_first``: move selections of positions (the last token's, the class token's)
+    ahead of the position-wise operations before them, so that positions the output does
+    not read are not computed (:mod:`~omenn_kernels.early_selection`; the same explanation,
+    up to rounding).
 
     Thread-safe: captures run one at a time in the process (see :data:`CAPTURE_LOCK`).
 
@@ -219,6 +225,11 @@ def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelecto
             folded = fold_batch_norms(program.graph, user_inputs[0].arg.name)
         if folded:
             log.debug("%s: %d BatchNorms folded into convolutions", type(model).__name__, folded)
+    if select_first:
+        with CAPTURE_LOCK, _disable_current_modes():
+            moved = select_early(program.graph)
+        if moved:
+            log.debug("%s: a selection moved ahead of %d operations", type(model).__name__, moved)
     bindings = {
         spec.arg.name: (spec.kind, spec.target.removeprefix(_PREFIX)
                         if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER) else spec.target)

@@ -30,7 +30,7 @@ MAX_SYNCS = 1
 COMMITTED_OPS = {
     ("parts_vit", "reference"): 1090, ("parts_vit", "fused"): 948,
     ("parts_cnn", "reference"): 610, ("parts_cnn", "fused"): 468,
-    ("vit_base_patch16_224", "reference"): 3110, ("vit_base_patch16_224", "fused"): 2157,
+    ("vit_base_patch16_224", "reference"): 3116, ("vit_base_patch16_224", "fused"): 2157,
     ("resnet50", "reference"): 3386, ("resnet50", "fused"): 1726,
 }
 

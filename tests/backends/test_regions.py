@@ -15,11 +15,23 @@ import torch
 
 from omenn_kernels import Explainer
 from omenn_kernels.backends import compiled, regions
-from omenn_kernels.testing import relative_distance
+from omenn_kernels.testing import randomize_, relative_distance
 
-from test_compiled_backend import _assert_equal_explanations, _model
+from test_compiled_backend import _assert_equal_explanations, _model as _family_model
 
 INVOKE = torch.ops.higher_order.invoke_subgraph
+
+
+def _model(name: str, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A test family's model; BEiT with three blocks, since its last block, which computes
+    only the pooled tokens after its attention (early selection), is no twin of the others."""
+    if name != "beit":
+        return _family_model(name, dtype)
+    import timm
+
+    torch.manual_seed(5)
+    model = timm.create_model("beit_base_patch16_224", img_size=64, depth=3, num_classes=10)
+    return randomize_(model, seed=5).to(dtype).eval(), torch.randn(2, 3, 64, 64, dtype=dtype)
 
 
 def _outlined_calls(graph: torch.fx.GraphModule) -> Counter:
@@ -47,11 +59,12 @@ def outlining(monkeypatch):
     return graphs
 
 
-@pytest.mark.parametrize("name, depth", [("vit", 12), ("beit", 2), ("swin", None), ("convnext", None),
+@pytest.mark.parametrize("name, depth", [("vit", 11), ("beit", 2), ("swin", None), ("convnext", None),
                                          ("resnet", None), ("torchvision_vit", None)])
 def test_repeated_blocks_are_outlined_with_the_fused_numbers(name, depth, outlining):
-    """A transformer of ``depth`` identical layers: the forward of a layer and its backward are one
-    subgraph each, called once per layer. Other models (stages of other widths, shifted windows, a
+    """A transformer of ``depth`` identical layers (the last layer, which computes only the class
+    token or the pooled tokens after its attention, is another): the forward of a layer and its
+    backward are one subgraph each, called once per identical layer. Other models (stages of other widths, shifted windows, a
     first layer whose input has other strides): twins called at least twice each, a smaller graph."""
     model, x = _model(name, torch.float64)
     explainer = Explainer(model, backend="compiled")
@@ -128,7 +141,7 @@ def test_a_loaded_graph_is_outlined_as_the_saved_one(outlining, monkeypatch, tmp
 
 
 def test_inductor_compiles_the_outlined_blocks_once(monkeypatch, caplog, tmp_path):
-    """Real Inductor, the Python wrapper: a two-layer BEiT's outlined explanation compiles (no fallback to
+    """Real Inductor, the Python wrapper: a three-layer BEiT's outlined explanation compiles (no fallback to
     the whole graph, nor to the fused backend) and equals the reference; each subgraph is generated once."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(compiled, "CPP_WRAPPER_FLOPS_PER_THREAD", 0)
