@@ -161,9 +161,10 @@ class Explainer:
             input and target signature into one graph and compiled with Inductor; the
             first call of a signature runs eagerly and compiles, with ``create_graph`` too;
             one graph serves every batch size; read-outs given as functions run on
-            ``"fused"``) or ``"auto"``, the default: on the CPU ``"fused"`` until a
-            signature's calls have taken a minute, then ``"compiled"`` for first-order
-            explanations (:mod:`omenn_kernels.backends.tiered`); ``"reference"`` on CUDA.
+            ``"fused"``) or ``"auto"``, the default: the device's fastest eager backend
+            (``"fused"`` on the CPU, ``"reference"`` on CUDA) until a signature's calls have
+            taken a minute, then ``"compiled"`` for first-order explanations
+            (:mod:`omenn_kernels.backends.tiered`).
         output: which tensor of the model's output holds the logits: None (default) for
             the output itself, the first element of a tuple or list, or the ``"logits"``
             entry of a dict or ``ModelOutput``; an index or a key (``output=1``,

@@ -308,6 +308,16 @@ def replays(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
     return compiled is not None and compiled is not _FAILED and compiled.serves(x.shape[0])
 
 
+def runs_fused(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+               parameter_gradient: ParameterGradient | None = None) -> bool:
+    """Whether :func:`explain_batch` of these arguments runs the fused backend without tracing or
+    checking anything: a read-out it does not trace, a signature whose trace or compilation failed,
+    or a batch size that failed its check."""
+    key = signature(program, model, x, readout, parameter_gradient)
+    compiled = None if key is None else explanations(program).get(key)
+    return key is None or compiled is _FAILED or (compiled is not None and compiled.batches.get(x.shape[0]) is False)
+
+
 def signature(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
               parameter_gradient: ParameterGradient | None = None) -> tuple | None:
     """The signature whose graph explains these arguments (see :func:`_signature`), or None where

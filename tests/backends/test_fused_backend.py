@@ -123,20 +123,23 @@ def test_auto_backend_is_the_fused_one_on_the_cpu():
     assert torch.equal(auto.contribution, fused.contribution)
 
 
-def test_auto_backend_runs_the_reference_off_the_cpu(monkeypatch):
-    """On CUDA (any device but the CPU) ``auto`` is the reference, the faster one measured there;
-    on the CPU it tiers from fused to compiled (``test_tiered.py``).
+def test_auto_backend_tiers_from_the_eager_backend_of_the_device(monkeypatch):
+    """``auto`` tiers from fused on the CPU and from the reference on CUDA, the faster eager
+    backend measured on each; on any other device it runs the reference and does not tier.
 
-    The choice is made from the input's device alone; a meta tensor stands for a GPU one.
+    The choice is made from the input's device alone; a meta tensor stands for another device.
     """
     from omenn_kernels import backends
 
     ran = []
     monkeypatch.setattr(backends.reference, "explain_batch", lambda *args: ran.append("reference"))
-    monkeypatch.setattr(backends.tiered, "explain_batch", lambda *args: ran.append("tiered"))
+    monkeypatch.setattr(backends.tiered, "explain_batch",
+                        lambda *args, eager: ran.append(("tiered", eager.__name__.rsplit(".", 1)[-1])))
     backends.Backend("auto").explain(None, None, torch.empty(1, 3, 4, 4, device="meta"), None)
     backends.Backend("auto").explain(None, None, torch.empty(1, 3, 4, 4), None)
-    assert ran == ["reference", "tiered"]
+    assert ran == ["reference", ("tiered", "fused")]
+    assert backends.resolved_name("auto", torch.device("cuda")) == "reference"
+    assert backends._tiers("auto", torch.device("cuda")) and not backends._tiers("auto", torch.device("meta"))
 
 
 def test_fused_backend_runs_the_fused_ops(monkeypatch):

@@ -1,12 +1,14 @@
-"""``auto`` on the CPU tiers: fused until a signature's fused calls have taken
+"""``auto`` tiers: the device's eager backend until a signature's eager calls have taken
 ``COMPILE_AFTER_SECONDS``, then compiled (here with the traced graph itself as the compiler,
-and a clock that advances one second per fused call).
+and a clock that advances one second per eager call).
 
 * The switch comes at the documented call, compiles once for every batch size, and every
   call equals the fused backend's explanation (float64, relative Frobenius 1e-10).
 * ``runs_on`` says which tier ran.
 * Differentiable explanations and plain-function read-outs stay on fused.
 * A failed compilation leaves the fused tier running, after one warning.
+* With ``reference`` as the eager tier (CUDA's, here on the CPU) the same holds, and a failed
+  compilation goes back to ``reference``.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import warnings
 import pytest
 import torch
 
-from omenn_kernels import Explainer
-from omenn_kernels.backends import compiled, tiered
+from omenn_kernels import Explainer, backends
+from omenn_kernels.backends import compiled, fused, reference, tiered
 from omenn_kernels.readout import checked_readout
 from omenn_kernels.testing import FAMILIES, randomize_
 from test_batch_sizes import _check  # every field within 1e-10 relative (Frobenius)
@@ -104,3 +106,47 @@ def test_auto_loads_a_saved_graph_after_fewer_fused_seconds(compilations, monkey
     assert tiers == ["fused", "compiled", "compiled"]
     (kept,) = compiled.explanations(explainer.program(x)[0]).values()
     assert tuple(kept.stages) == ("load",)
+
+
+def _counted(monkeypatch, module) -> list[int]:
+    """The batch sizes ``module.explain_batch`` is called with, from now on."""
+    calls, explain_batch = [], module.explain_batch
+    monkeypatch.setattr(module, "explain_batch", lambda program, model, x, *args: calls.append(x.shape[0]) or
+                        explain_batch(program, model, x, *args))
+    return calls
+
+
+def test_auto_tiers_from_the_eager_backend_of_the_device(compilations, monkeypatch):
+    """CUDA's eager tier, ``reference``, tiered on the CPU: three reference calls, then compiled."""
+    monkeypatch.setitem(backends.AUTO_EAGER, "cpu", "reference")
+    model, side = _model()
+    explainer, oracle = Explainer(model), Explainer(model, backend="reference")
+    references = _counted(monkeypatch, reference)
+    tiers = []
+    for size in (4, 4, 4, 4, 2):
+        x = _images(size, side)
+        _check(explainer(x, 1), oracle(x, 1))
+        program, classes = explainer.program(x)
+        tiers.append(explainer._backend.runs_on(program, model, x, checked_readout(1, size, classes, x.device)))
+    assert compilations == [4]
+    assert tiers == ["reference"] * 3 + ["compiled"] * 2
+    assert references == [4] * 3 + [4, 4, 4, 4, 2]  # the explainer's three, then the oracle's
+
+
+def test_a_failed_compilation_goes_back_to_the_eager_backend(compilations, monkeypatch):
+    def failing(graph, example):
+        raise RuntimeError("no C++ compiler")
+    monkeypatch.setattr(compiled, "COMPILER", failing)
+    monkeypatch.setitem(backends.AUTO_EAGER, "cpu", "reference")
+    model, side = _model()
+    explainer = Explainer(model)
+    x = _images(2, side)
+    references, fuseds = _counted(monkeypatch, reference), _counted(monkeypatch, fused)
+    for _ in range(3):
+        explainer(x, 1)
+    with pytest.warns(RuntimeWarning, match="could not compile .* no C\\+\\+ compiler"):
+        explainer(x, 1)  # the compiled backend's first call: fused's explanation, traced
+    fuseds_at_failure = len(fuseds)
+    for _ in range(2):
+        explainer(x, 1)
+    assert references == [2] * 5 and len(fuseds) == fuseds_at_failure
