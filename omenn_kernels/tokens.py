@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from .api import MAX_PROGRAMS, Explainer, Explanation, Target
-from .backends.compiled import HALF_LOGITS_TOLERANCE, REORDERED_TOLERANCE, batch_rows, relative_distance
+from .backends.compiled import (HALF_LOGITS_TOLERANCE, REORDERED_TOLERANCE, batch_rows, computing_dtype,
+                                relative_distance)
 from .backends.executor import ParameterGradient
 from .capture import OutputSelector, checked_selector, selected_output
 from .errors import InputError, InputTypeError, OmennError, OutputError
@@ -437,8 +438,9 @@ class TokenExplainer:
             own = self._own_logits(tensors, settings, positions, tokens)
             distance = relative_distance(explanation.logits, own)
             # Padding under the attention mask changes the logits by rounding only, as another order of
-            # the same sums does.
-            tolerance = REORDERED_TOLERANCE.get(own.dtype, HALF_LOGITS_TOLERANCE)
+            # the same sums does, in the least precise type the model computes in.
+            dtype = computing_dtype(explainer.program(embeddings)[0].captured.graph, embeddings)
+            tolerance = REORDERED_TOLERANCE.get(dtype, HALF_LOGITS_TOLERANCE)
             if distance > tolerance:
                 self._stop_padding(f"its logits on a batch padded to {padded_length} tokens under the attention "
                                    f"mask{f' and run in chunks of {size}' if size != batch else ''} differ from "

@@ -11,13 +11,14 @@ backend runs its traced graph uncompiled (``COMPILER`` is the identity).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, GPT2Config,
-                          GPT2ForSequenceClassification, GPT2LMHeadModel)
+                          GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM)
 from transformers.pytorch_utils import Conv1D
 
 from omenn_kernels import Explainer, InputError, InputTypeError, TokenExplainer, api, explain
@@ -365,6 +366,29 @@ def test_a_model_that_fails_on_the_padded_batch_is_explained_as_given():
         e = explainer(ids, 2, attention_mask=mask)
     assert not explainer.pad_to_buckets
     _check({"reference": e}, logits[:, 2], mask)
+
+
+def test_a_llama_computing_its_norms_in_float32_runs_compiled_on_padded_batches(monkeypatch):
+    """A float64 Llama computes its RMSNorms and rotary embedding in float32: its compiled graph
+    (here scaled by 1 + 1e-7, as float32 kernels that round otherwise give) and its logits on the
+    padded batch are held to float32's tolerance, so the graph runs and the batch stays padded."""
+    config = LlamaConfig(vocab_size=VOCABULARY, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16, pad_token_id=PAD)
+    model = randomize_(LlamaForCausalLM(config), seed=29).to(DT).eval()
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: lambda *inputs: tuple(
+        t * (1 + 1e-7) if t.is_floating_point() else t for t in graph(*inputs)))
+    ids, mask = _padded(left=True, seed=30)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits[:, -1]
+    explainer = TokenExplainer(model, backend="compiled")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="omenn_kernels")
+        e = explainer(ids, attention_mask=mask)
+    assert explainer.pad_to_buckets
+    assert _relative(e.logit, logits.gather(1, e.target[:, None])[:, 0] * (1 + 1e-7)) <= 1e-10
+    fused = TokenExplainer(model, backend="fused")(ids, attention_mask=mask)
+    torch.testing.assert_close(e.weight, fused.weight * (1 + 1e-7), rtol=1e-10,
+                               atol=1e-12 * float(fused.weight.abs().max()))
 
 
 class _Tagger(nn.Module):

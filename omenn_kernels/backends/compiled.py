@@ -362,8 +362,9 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     if batch != compiled.batch and batch not in compiled.batches:  # the first batch of this size: checked
         expected = fused.explain_batch(program, model, x, readout, parameter_gradient)
         outputs = _run(compiled, x, readout, trained, parameter_gradient)
-        mismatch = _mismatch(_detached(outputs), _detached(expected), x, "compiled", exact_order=False) or \
-            (_gradient_mismatch(outputs, expected, list(trained.values()), x) if parameter_gradient else None)
+        dtype = computing_dtype(compiled.graph.graph, x)
+        mismatch = _mismatch(_detached(outputs), _detached(expected), x, "compiled", False, dtype) or \
+            (_gradient_mismatch(outputs, expected, list(trained.values()), x, dtype) if parameter_gradient else None)
         compiled.batches[batch] = mismatch is None
         if mismatch:
             warnings.warn(f"omenn_kernels: run in chunks of {compiled.batch} samples, the "
@@ -424,7 +425,7 @@ def _loaded(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor,
         log.info("the saved explanation graph of %s could not be compiled (%s); tracing it again",
                  type(model).__name__, first_line(error))
         return None
-    tolerance = REORDERED_TOLERANCE.get(x.dtype, HALF_LOGITS_TOLERANCE)
+    tolerance = REORDERED_TOLERANCE.get(computing_dtype(saved.graph.graph, x), HALF_LOGITS_TOLERANCE)
     error, scale = _completeness(outputs, x)
     if relative_distance(outputs.logits[:rows], own) > tolerance or bool((error > tolerance * scale).any()):
         log.info("the saved explanation graph of %s does not give the model's logits or a complete "
@@ -508,12 +509,12 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     run as it is, must reproduce it to rounding (where it calls the same ops in the same
     order; where ops were traced as their aten math, :func:`~omenn_kernels.ops.traced_as_aten`,
     as the compiled graph must); the compiled graph, whose fused kernels round differently,
-    must too in float32 and float64, and in half precision must give the same logits and a
-    complete explanation (see :func:`_mismatch`). A differentiable explanation's compiled
-    graph must also give the parameters the fused backend's gradient
-    (:func:`_gradient_mismatch`). A float32 graph on the CPU is first tried with its
-    convolutions on oneDNN (:mod:`~omenn_kernels.backends.packed_weights`), on a copy of the
-    trace, and checked and compiled again with ATen's where that does not pass. Returns
+    must too, to the precision it computes in (:func:`computing_dtype`), and in half precision
+    must give the same logits and a complete explanation (see :func:`_mismatch`). A
+    differentiable explanation's compiled graph must also give the parameters the fused
+    backend's gradient (:func:`_gradient_mismatch`). A float32 graph on the CPU is first tried
+    with its convolutions on oneDNN (:mod:`~omenn_kernels.backends.packed_weights`), on a copy
+    of the trace, and checked and compiled again with ATen's where that does not pass. Returns
     ``(_FAILED, None)`` (after one warning naming the cause) where tracing or compiling fails
     or a check does not hold.
 
@@ -567,7 +568,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         with torch.no_grad():  # values only: the gradient is checked on the compiled graph
             replayed = BackendExplanation(*graph(*example))
         counts = (packed, parameter_derived, None)
-        mismatch = _mismatch(replayed, _detached(expected), x, "traced", exact_order=not decompositions)
+        dtype = computing_dtype(graph.graph, x)
+        mismatch = _mismatch(replayed, _detached(expected), x, "traced", not decompositions, dtype)
         started = timed("check traced", started)
         if mismatch:  # not worth compiling
             return graph, None, None, mismatch, counts
@@ -588,8 +590,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         started = timed("inductor", started)
         with torch.set_grad_enabled(differentiable):
             result = BackendExplanation(*compiled(*example))
-        mismatch = _mismatch(_detached(result), _detached(expected), x, "compiled", exact_order=False) \
-            or (_gradient_mismatch(result, expected, list(trained.values()), x) if differentiable else None)
+        mismatch = _mismatch(_detached(result), _detached(expected), x, "compiled", False, dtype) \
+            or (_gradient_mismatch(result, expected, list(trained.values()), x, dtype) if differentiable else None)
         timed("check compiled", started)
         return graph, compiled, result, mismatch, counts
 
@@ -662,17 +664,18 @@ HALF_LOGITS_TOLERANCE, _HALF_COMPLETENESS = 5e-2, 2e-2
 
 
 def _mismatch(got: BackendExplanation, want: BackendExplanation, x: torch.Tensor, stage: str,
-              exact_order: bool) -> str | None:
-    """Why ``got`` is not the fused backend's explanation ``want``, or None.
+              exact_order: bool, dtype: torch.dtype) -> str | None:
+    """Why ``got`` is not the fused backend's explanation ``want``, or None, to the tolerance of
+    ``dtype``, the least precise type the explanation computes in (:func:`computing_dtype`).
 
-    In half precision (see :func:`_half_precision`) the weight and bias of two correct explanations that round
+    In half precision the weight and bias of two correct explanations that round
     differently can differ by tens of percent (a rounding flips a gate, and the backward
     carries the change), so the compiled graph is held there to what does not depend on
     rounding order: the logits (forward values), and completeness, ``Σ C_w·x + Σ C_b = ŷ``
     per read-out, to 2 % of the three terms' magnitudes plus four times the fused
     backend's own completeness error. The returned message has ``{}`` for the model's name.
     """
-    half = _half_precision(x)
+    half = dtype not in _ORDERED_TOLERANCE
     if half and not exact_order:
         if relative_distance(got.logits, want.logits) > HALF_LOGITS_TOLERANCE:
             return f"{stage} explanation of {{}} gives logits that differ from the fused backend's by more " \
@@ -683,7 +686,7 @@ def _mismatch(got: BackendExplanation, want: BackendExplanation, x: torch.Tensor
                    f"{_HALF_COMPLETENESS:g} of |Σ C_w·x| + |Σ C_b| + |logit|, four times the fused backend's error " \
                    "added)"
         return None
-    tolerance = 1e-2 if half else (_ORDERED_TOLERANCE if exact_order else REORDERED_TOLERANCE)[x.dtype]
+    tolerance = 1e-2 if half else (_ORDERED_TOLERANCE if exact_order else REORDERED_TOLERANCE)[dtype]
     for name in ("weight", "bias", "logit"):
         if relative_distance(getattr(got, name), getattr(want, name)) > tolerance:
             return f"{stage} explanation of {{}} differs from the fused backend's in its {name} by more than " \
@@ -691,25 +694,40 @@ def _mismatch(got: BackendExplanation, want: BackendExplanation, x: torch.Tensor
     return None
 
 
-def _half_precision(x: torch.Tensor) -> bool:
-    """Whether the explanation of ``x`` computes in half precision: ``x`` is 16-bit, or autocast to
-    a 16-bit type is on for its device (the graph then casts float32 inputs and weights)."""
+def computing_dtype(graph: torch.fx.Graph, x: torch.Tensor) -> torch.dtype:
+    """The least precise floating-point type the explanation of ``x`` in ``graph`` computes in: ``x``'s,
+    autocast's where it is on, or one the graph casts to or creates tensors of. A model may compute
+    parts of itself in a lower precision than its input's (Hugging Face's Llama computes its RMSNorm
+    and rotary embedding in float32 in a float64 model); the compiled graph rounds those parts
+    differently from the fused backend, to that precision.
+    """
+    dtypes = {x.dtype}
     device = x.device.type
-    autocast_half = torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) in (torch.float16,
-                                                                                              torch.bfloat16)
-    return x.dtype not in _ORDERED_TOLERANCE or autocast_half
+    if torch.is_autocast_enabled(device):
+        dtypes.add(torch.get_autocast_dtype(device))
+
+    def add(value):
+        if isinstance(value, torch.dtype):
+            dtypes.add(value)
+        elif isinstance(value, torch.Tensor):
+            dtypes.add(value.dtype)
+        return value
+
+    for node in graph.nodes:
+        torch.fx.node.map_aggregate((node.args, node.kwargs, node.meta.get("val")), add)
+    return max((dtype for dtype in dtypes if dtype.is_floating_point), key=lambda dtype: torch.finfo(dtype).eps)
 
 
 def _gradient_mismatch(got: BackendExplanation, want: BackendExplanation,
-                       parameters: list[torch.Tensor], x: torch.Tensor) -> str | None:
+                       parameters: list[torch.Tensor], x: torch.Tensor, dtype: torch.dtype) -> str | None:
     """Why the parameter gradient of a random projection of ``got`` (the compiled graph's
     differentiable outputs) is not that of ``want`` (the fused backend's), or None.
 
-    Relative (Frobenius) over all parameters, with the tolerance of a reordered float32 or
-    float64 computation. In half precision the gradient, like the weight (see
-    :func:`_mismatch`), moves with rounding order and is not compared.
+    Relative (Frobenius) over all parameters, with the tolerance of a reordered computation in
+    ``dtype`` (:func:`computing_dtype`), float32 or float64. In half precision the gradient, like
+    the weight (see :func:`_mismatch`), moves with rounding order and is not compared.
     """
-    if _half_precision(x) or not parameters:
+    if dtype not in _ORDERED_TOLERANCE or not parameters:
         return None
     pairs = [(g, w) for g, w in zip(got, want) if isinstance(w, torch.Tensor) and w.requires_grad]
     generator = torch.Generator(device=x.device).manual_seed(0)
@@ -720,7 +738,7 @@ def _gradient_mismatch(got: BackendExplanation, want: BackendExplanation,
         # The fused backend's graph is the caller's explanation: kept for the caller's loss.
         parts = torch.autograd.grad(loss, parameters, retain_graph=True, allow_unused=True, materialize_grads=True)
         return torch.cat([part.flatten() for part in parts])
-    tolerance = REORDERED_TOLERANCE[x.dtype]
+    tolerance = REORDERED_TOLERANCE[dtype]
     if relative_distance(gradient([g for g, _ in pairs]), gradient([w for _, w in pairs])) > tolerance:
         return f"compiled explanation of {{}} gives the parameters a gradient that differs from the fused " \
                f"backend's by more than {tolerance:g} relative"

@@ -27,10 +27,10 @@ compilation costs about :data:`COMPILE_AFTER_SECONDS` and saves a share of each 
 that share of its eager time exceeds a compilation's.
 
 Numbers: calls before the switch return the eager backend's explanation, calls from it on the
-compiled graph's, which differ from it by rounding (checked at compile time: 1e-5 relative
-in float32, 1e-8 in float64). The switch follows measured time, so two runs of one script can
-switch at different calls; name a backend (``fused`` or ``compiled``) for numbers that do not
-depend on timing. ``omenn explain``'s ``auto`` runs one backend for the whole run and records it
+compiled graph's, which differ from it by rounding (checked at compile time, in the least precise
+type the model computes in: 1e-4 relative in float32, 1e-8 in float64). The switch follows
+measured time, so two runs of one script can switch at different calls; name a backend
+(``fused`` or ``compiled``) for numbers that do not depend on timing. ``omenn explain``'s ``auto`` runs one backend for the whole run and records it
 in the store, so that a resumed run goes on with the same one.
 """
 

@@ -284,6 +284,49 @@ def test_a_compiled_graph_that_differs_is_not_used(monkeypatch):
     _assert_equal_explanations(explainer(x, 1), Explainer(model, backend="reference")(x, 1), torch.float64)
 
 
+class _Float32RMSNorm(torch.nn.Module):
+    """Hugging Face Llama's RMSNorm: computed in float32 whatever the input's type."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(width) + 0.5)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        computed = hidden.to(torch.float32)
+        computed = computed * torch.rsqrt(computed.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * computed.to(hidden.dtype)
+
+
+@pytest.mark.parametrize("in_float32", [True, False], ids=["float32-norm", "float64"])
+def test_a_graph_computing_in_float32_is_held_to_float32s_tolerance(monkeypatch, in_float32):
+    """A float64 model that computes its norm in float32, as Llama does, rounds to float32 there:
+    its compiled graph, here scaled by 1 + 1e-7 as float32 kernels that round otherwise give, is
+    used; the same graph of a model computing in float64 throughout is not (1e-8 relative)."""
+    torch.manual_seed(3)
+    norm = _Float32RMSNorm(16) if in_float32 else torch.nn.LayerNorm(16)
+    model = randomize_(torch.nn.Sequential(torch.nn.Linear(8, 16), norm, torch.nn.GELU(),
+                                           torch.nn.Linear(16, 4)), seed=3).double().eval()
+    x = torch.randn(3, 8, dtype=torch.float64)
+
+    def rounding_as_float32(graph, example):
+        return lambda *inputs: tuple(t * (1 + 1e-7) if t.is_floating_point() else t for t in graph(*inputs))
+    monkeypatch.setattr(compiled, "COMPILER", rounding_as_float32)
+    explainer = Explainer(model, backend="compiled")
+    program, _ = explainer.program(x)
+    assert compiled.computing_dtype(program.captured.graph, x) == (torch.float32 if in_float32 else torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        explainer(x, 1)
+    (kept,) = compiled.explanations(program).values()
+    if in_float32:
+        assert not caught and isinstance(kept, compiled.CompiledExplanation)
+    else:
+        assert kept is compiled._FAILED
+        assert [str(w.message) for w in caught] == [
+            "omenn_kernels: the compiled explanation of Sequential differs from the fused backend's in its weight "
+            "by more than 1e-08 relative; this signature runs on the fused backend"]
+
+
 def test_every_call_of_a_signature_gives_the_compiled_graphs_numbers(monkeypatch):
     """The first call too (its numbers are those of the compile-time check run), so results do
     not depend on which call compiled: here the graph rounds unlike the fused backend (its
