@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import (BertConfig, BertForMaskedLM, BertForSequenceClassification, GPT2Config,
-                          GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM)
+                          GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Phi3Config,
+                          Phi3ForCausalLM)
 from transformers.pytorch_utils import Conv1D
 
 from omenn_kernels import Explainer, InputError, InputTypeError, TokenExplainer, api, explain
@@ -389,6 +390,32 @@ def test_a_llama_computing_its_norms_in_float32_runs_compiled_on_padded_batches(
     fused = TokenExplainer(model, backend="fused")(ids, attention_mask=mask)
     torch.testing.assert_close(e.weight, fused.weight * (1 + 1e-7), rtol=1e-10,
                                atol=1e-12 * float(fused.weight.abs().max()))
+
+
+def _retraced_as_inductor_does(graph, example):
+    """The graph traced again by AOTAutograd under Inductor's decompositions and run as traced:
+    the strides Inductor's lowering sees, without its code generation."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+    return aot_module_simplified(graph, example, fw_compiler=lambda traced, _: traced,
+                                 decompositions=select_decomp_table())
+
+
+def test_a_phi3_whose_rotary_embedding_inductor_lays_out_otherwise_runs_compiled(monkeypatch):
+    """Phi-3 concatenates its rotated queries, transposed, with their part without rotation, empty
+    where the whole head rotates: the concatenation is contiguous in eager, where the trace records
+    attention's reshape of it as a view, and keeps the transposed layout under Inductor's
+    decompositions (which drop empty parts), where that view cannot be taken."""
+    config = Phi3Config(vocab_size=VOCABULARY, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=16, pad_token_id=PAD)
+    model = randomize_(Phi3ForCausalLM(config), seed=31).to(DT).eval()
+    monkeypatch.setattr(compiled, "COMPILER", _retraced_as_inductor_does)
+    ids, mask = _padded(left=True, seed=32)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="omenn_kernels")
+        e = TokenExplainer(model, backend="compiled")(ids, attention_mask=mask)
+    fused = TokenExplainer(model, backend="fused")(ids, attention_mask=mask)
+    torch.testing.assert_close(e.weight, fused.weight, rtol=1e-10, atol=1e-12 * float(fused.weight.abs().max()))
 
 
 class _Tagger(nn.Module):

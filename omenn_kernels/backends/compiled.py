@@ -13,7 +13,9 @@ from changes (:mod:`~omenn_kernels.backends.parameter_only`), has each folded co
 whose kernel the graph still computes (from trained parameters) read the unfolded kernel in
 its input gradient (:func:`~omenn_kernels.folding.scale_gradients_not_kernels`),
 runs a float32 CPU graph's convolutions of constant kernels on oneDNN with the kernels
-reordered once (:mod:`~omenn_kernels.backends.packed_weights`), and compiles that graph
+reordered once (:mod:`~omenn_kernels.backends.packed_weights`), writes its views as
+reshapes, whose inputs Inductor may lay out otherwise
+(:mod:`~omenn_kernels.backends.views_as_reshapes`), and compiles that graph
 (Inductor; CUDA graphs on CUDA; on the CPU a C++ wrapper around the kernels of a graph of few
 FLOPs, see :func:`inductor`; on the CPU, the Python wrapper around a graph whose repeated
 blocks, a transformer's layers or a stage's bottlenecks, each call one shared subgraph that
@@ -97,6 +99,7 @@ from .parameter_only import ParameterDerived, hoist_parameter_only
 from .packed_weights import (constant_kernels, forget_reordered_kernel, forget_reordered_kernels,
                              pack_constant_convolutions, packing_available)
 from .shape_only import fold_shape_only
+from .views_as_reshapes import views_as_reshapes
 from .watched import Watch
 
 log = logging.getLogger("omenn_kernels.compiled")
@@ -563,6 +566,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
             graph = torch.fx.GraphModule(graph, copy.deepcopy(graph.graph))
         packed = pack_constant_convolutions(graph) if pack else 0
         scale_gradients_not_kernels(graph.graph)
+        views_as_reshapes(graph)
         graph.recompile()
         started = timed("passes", started)
         with torch.no_grad():  # values only: the gradient is checked on the compiled graph
