@@ -33,13 +33,13 @@ import io
 import logging
 import os
 import pickle
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.fx import GraphModule
 
+from ..atomic_file import write_atomically
 from ..capture import bound_tensors
 from ..errors import first_line
 from ..linearize.program import LinearizedProgram
@@ -213,9 +213,7 @@ def save(file_key: str, saved: dict) -> None:
     try:
         target = folder() / f"{file_key}.pt"
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{file_key}.", delete=False) as file:
-            pickle.dump(saved, file)
-        os.replace(file.name, target)
+        write_atomically(target, lambda path: path.write_bytes(pickle.dumps(saved)))
         kept = sorted(target.parent.glob("*.pt"), key=_last_used, reverse=True)
         for stale in kept[MAX_SAVED:]:
             stale.unlink(missing_ok=True)

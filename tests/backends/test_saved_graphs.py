@@ -7,6 +7,7 @@ would be); tolerances are the fused backend's in float64, 1e-10 relative.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 
 import pytest
@@ -89,3 +90,23 @@ def test_a_damaged_or_wrongly_bound_saved_graph_is_traced_again(saving, caplog):
     assert "trace" in stages
     assert "could not be compiled" in caplog.text or "does not give the model's logits" in caplog.text
     _assert_equal_explanations(got, expected, torch.float64)
+
+
+def test_a_graph_is_saved_whole_for_every_user_or_not_at_all(saving, monkeypatch, caplog):
+    """A write that fails (a full disk) leaves no file behind, logged, and the explanation stands;
+    a saved graph is readable by every user of a shared cache, as Inductor's files are."""
+    model, x = _model("cnn", torch.float64)
+
+    def full_disk(source, destination):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patched, caplog.at_level(logging.INFO, logger="omenn_kernels.compiled"):
+        patched.setattr(os, "replace", full_disk)
+        explanation, _ = _explained(model, x)
+    assert "not saved for later processes" in caplog.text and "No space left" in caplog.text
+    assert list(saving.iterdir()) == []
+    _assert_equal_explanations(explanation, Explainer(model, backend="fused")(x, 1), torch.float64)
+
+    _explained(model, x)  # a new explainer traces again, and saves
+    (path,) = saving.iterdir()
+    assert path.suffix == ".pt" and path.stat().st_mode & 0o777 == 0o644
