@@ -416,6 +416,11 @@ def test_a_phi3_whose_rotary_embedding_inductor_lays_out_otherwise_runs_compiled
         e = TokenExplainer(model, backend="compiled")(ids, attention_mask=mask)
     fused = TokenExplainer(model, backend="fused")(ids, attention_mask=mask)
     torch.testing.assert_close(e.weight, fused.weight, rtol=1e-10, atol=1e-12 * float(fused.weight.abs().max()))
+    with torch.no_grad():
+        logit = model(ids, attention_mask=mask).logits[:, -1].gather(1, e.target[:, None])[:, 0]
+    # Complete to float32's rounding: Phi-3 computes its RMSNorms in float32, which rounds x.
+    assert _relative(e.contribution.sum(1), logit) <= 1e-6
+    assert torch.equal(e.contribution[mask == 0], torch.zeros(int((mask == 0).sum()), dtype=DT))
 
 
 class _Tagger(nn.Module):
