@@ -22,9 +22,10 @@ compiler writes it inline into its kernels.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import torch
-from torch.fx import GraphModule, Interpreter, Node
+from torch.fx import GraphModule, Node
 
 from ..ops import shape_only_outputs
 
@@ -76,8 +77,9 @@ def written_in_place(graph: torch.fx.Graph) -> set[Node]:
     return written
 
 
-def _fused_output_arguments(node: Node) -> tuple | None:
-    """The arguments that ``node``, an output of a fused op, depends on alone (:func:`shape_only_outputs`)."""
+def _fused_output(node: Node) -> tuple[tuple[int, ...], Callable] | None:
+    """The arguments that ``node``, an output of a fused op, depends on alone, and the function that
+    computes it from them (:func:`shape_only_outputs`)."""
     if node.target is not operator.getitem or not isinstance(node.args[0], Node):
         return None
     return shape_only_outputs().get(node.args[0].target, {}).get(node.args[1])
@@ -99,29 +101,45 @@ def with_arithmetic(graph: torch.fx.Graph, members) -> set[Node]:
     return costly
 
 
-class _ShapeOnly(Interpreter):
-    """Runs the graph once on the example inputs; finds its shape-only nodes and keeps their values.
+class _NoTracedValue(Exception):
+    """A tensor that a shape-only node reads the metadata of has no traced value."""
+
+
+class _ShapeOnly:
+    """Finds a graph's shape-only nodes and computes their values, and nothing else.
+
+    The rest of the graph (the model at full size) is not run: a shape-only node reads
+    shape-only values, except a factory, which reads another tensor's metadata only (given an
+    uninitialized tensor of its traced shape, strides and dtype), and a fused op's output that
+    depends on some of its arguments alone, which is computed from them without the op
+    (:func:`~omenn_kernels.ops.shape_only_outputs`; the others given as traced).
 
     A selection (``gather``, ``index``, ``index_select``) whose indices depend on the input
     is shape-only where it selects from a shape-only tensor whose elements are all equal:
-    max pooling routes the ones by the input's argmax, and the ones it routes are all 1.
+    max pooling routes the ones by the input's argmax, and the ones it routes are all 1. Its
+    value is that element, at the selection's traced shape.
     """
 
-    def __init__(self, module: GraphModule):
-        super().__init__(module)
+    def __init__(self, module: GraphModule, example: list[torch.Tensor]):
+        self.module = module
         self.written = written_in_place(module.graph)
         self.shape_only: dict[Node, object] = {}  # node → its value
+        placeholders = [node for node in module.graph.nodes if node.op == "placeholder"]
+        self.inputs: dict[Node, torch.Tensor] = dict(zip(placeholders, example))
 
-    def run_node(self, node: Node):
-        value = super().run_node(node)
-        if node not in self.written and self._decides_shape_only(node):
-            self.shape_only[node] = value
-        return value
+    def run(self) -> None:
+        with torch.no_grad():
+            for node in self.module.graph.nodes:
+                if node.op == "call_function" and node not in self.written and self._decides_shape_only(node):
+                    try:
+                        self.shape_only[node] = self._value(node)
+                    except _NoTracedValue:
+                        pass
 
     def _decides_shape_only(self, node: Node) -> bool:
-        fused_arguments = _fused_output_arguments(node)
-        if fused_arguments is not None:
-            inputs = [node.args[0].args[i] for i in fused_arguments]
+        fused = _fused_output(node)
+        if fused is not None:
+            inputs = [node.args[0].args[i] for i in fused[0]]
         elif not foldable_op(node):
             return False
         elif node.target in _FACTORIES:
@@ -131,6 +149,42 @@ class _ShapeOnly(Interpreter):
         else:
             inputs = node.all_input_nodes
         return all(n in self.shape_only for n in inputs if isinstance(n, Node))
+
+    def _value(self, node: Node) -> object:
+        fused = _fused_output(node)
+        if fused is not None:
+            indices, compute = fused
+            args = [torch.fx.node.map_arg(value, self.shape_only.__getitem__) if i in indices
+                    else torch.fx.node.map_arg(value, _traced) for i, value in enumerate(node.args[0].args)]
+            return compute(*args)
+        if node.target in _SELECTIONS:  # from a uniform tensor (see _decides_shape_only)
+            return _uninitialized(node).fill_(self.shape_only[node.args[0]].reshape(-1)[0])
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), self._argument)
+        return node.target(*args, **kwargs)
+
+    def _argument(self, node: Node) -> object:
+        """A shape-only node's value; for a factory's other arguments, what stands in for them."""
+        if node in self.shape_only:
+            return self.shape_only[node]
+        if node in self.inputs:
+            return self.inputs[node]
+        if node.op == "get_attr":
+            return operator.attrgetter(node.target)(self.module)
+        return _uninitialized(node)
+
+
+def _traced(node: Node) -> torch.Tensor:
+    """``node``'s traced (fake) value: its shape, strides and dtype, no data."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        raise _NoTracedValue(node.name)
+    return value
+
+
+def _uninitialized(node: Node) -> torch.Tensor:
+    """A tensor of ``node``'s traced shape, strides, dtype and device, its elements not set."""
+    value = _traced(node)
+    return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
 
 
 _SELECTIONS = {aten.gather.default, aten.index.Tensor, aten.index_select.default}
@@ -142,9 +196,8 @@ def fold_shape_only(module: GraphModule, example: list[torch.Tensor]) -> int:
 
     Returns the number of constants stored. The graph is changed in place and recompiled.
     """
-    analysis = _ShapeOnly(module)
-    with torch.no_grad():
-        analysis.run(*example)
+    analysis = _ShapeOnly(module, example)
+    analysis.run()
     shape_only = analysis.shape_only
     costly = with_arithmetic(module.graph, shape_only)
     folded = 0

@@ -218,13 +218,16 @@ def traced_as_aten(device: torch.device, differentiable: bool = False) -> dict:
 
 def shape_only_outputs() -> dict:
     """For each fused op with an output that is a function of some arguments alone: output
-    index → those arguments' indices. The output ones of ``conv2d_ones`` (``S > 0``) and of
-    ``linear_ones`` (the mean of the input ones) depend on the ones and ``S`` only, so a
-    compiled explanation folds them into constants where those are shape-only
-    (:mod:`omenn_kernels.backends.shape_only`)."""
+    index → those arguments' indices, and the function of the op's arguments that computes the
+    output from them, reading no more than the others' dtype. The output ones of
+    ``conv2d_ones`` (``S > 0``) and of ``linear_ones`` (the mean of the input ones) depend on the
+    ones and ``S`` only, so a compiled explanation folds them into constants where those are
+    shape-only (:mod:`omenn_kernels.backends.shape_only`), without running the op."""
     omenn = torch.ops.omenn
-    return {omenn.conv2d_ones.default: {1: (1, 2)}, omenn.linear_ones.default: {1: (1,)},
-            omenn.linear_ones_cpu.default: {1: (1,)}}
+    linear = {1: ((1,), lambda x, ones, *_: linear_ones.output_ones(ones))}
+    return {omenn.conv2d_ones.default: {1: ((1, 2), lambda x, ones, window_sum, *_:
+                                            conv_bias.output_ones(window_sum, x.dtype))},
+            omenn.linear_ones.default: linear, omenn.linear_ones_cpu.default: linear}
 
 
 # Each module attaches its op's form of a rule.

@@ -40,12 +40,17 @@ from ..native import define_cpu_op
 from . import constants, fills_padding, fuse, fused_op, kernels_available
 
 
+def output_ones(window_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``Ō``, the output's ones: 1 where the receptive field holds a valid position (``S > 0``)."""
+    return (window_sum > 0).to(dtype)
+
+
 def value_and_ones(x: torch.Tensor, ones: torch.Tensor, window_sum: torch.Tensor, weight: torch.Tensor,
                    bias: Optional[torch.Tensor], stride: list[int], padding: list[int], dilation: list[int],
                    groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`conv2d_ones` in aten ops (its implementation, and its trace in a compiled explanation)."""
     value = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-    return value, (window_sum > 0).to(x.dtype)
+    return value, output_ones(window_sum, x.dtype)
 
 
 @fused_op("omenn::conv2d_ones")
@@ -301,7 +306,7 @@ class _ConvOfModel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ones, window_sum, weight, bias, stride, padding, dilation, groups, result):
         _conv2d_ones_setup(ctx, (x, ones, window_sum, weight, bias, stride, padding, dilation, groups), None)
-        return result.detach(), (window_sum > 0).to(x.dtype)
+        return result.detach(), output_ones(window_sum, x.dtype)
 
     @staticmethod
     def backward(ctx, grad, grad_ones):

@@ -36,10 +36,15 @@ from ..native import available, define_cpu_op
 from . import constants, fuse, fused_op
 
 
+def output_ones(ones: torch.Tensor) -> torch.Tensor:
+    """``Ō``, the output's ones: the mean of the input ones over the contracted (last) dimension."""
+    return ones.mean(-1, keepdim=True)
+
+
 def value_and_ones(x: torch.Tensor, ones: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                    start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`linear_ones` in aten ops (its implementation, and its trace in a compiled explanation)."""
-    ones_bar = ones.mean(-1, keepdim=True)
+    ones_bar = output_ones(ones)
     if bias is None:
         return F.linear(x, weight), ones_bar
     # b·Ō written first and the product accumulated onto it (β = 1): one pass over the
