@@ -47,15 +47,22 @@ def _images(size: int, side: int) -> torch.Tensor:
     return torch.randn(size, 3, side, side, dtype=torch.float64)
 
 
-def test_auto_compiles_a_signature_once_it_is_hot(compilations):
-    model, side = _model()
-    explainer, fused = Explainer(model), Explainer(model, backend="fused")
+def _tiers(model, side: int, sizes: tuple[int, ...], oracle: Explainer) -> list[str]:
+    """The tier each call of an ``auto`` explainer of ``model`` ran, one call per batch size, each
+    checked against ``oracle``'s explanation."""
+    explainer = Explainer(model)
     tiers = []
-    for size in (4, 2, 4, 3, 4, 5, 2):
+    for size in sizes:
         x = _images(size, side)
-        _check(explainer(x, 1), fused(x, 1))
+        _check(explainer(x, 1), oracle(x, 1))
         program, classes = explainer.program(x)
         tiers.append(explainer._backend.runs_on(program, model, x, checked_readout(1, size, classes, x.device)))
+    return tiers
+
+
+def test_auto_compiles_a_signature_once_it_is_hot(compilations):
+    model, side = _model()
+    tiers = _tiers(model, side, (4, 2, 4, 3, 4, 5, 2), Explainer(model, backend="fused"))
     # Fused calls 1–3 take 3 s: call 4 compiles, at its batch of 3, which serves the other sizes.
     assert compilations == [3]
     assert tiers == ["fused"] * 3 + ["compiled"] * 4
@@ -120,14 +127,8 @@ def test_auto_tiers_from_the_eager_backend_of_the_device(compilations, monkeypat
     """CUDA's eager tier, ``reference``, tiered on the CPU: three reference calls, then compiled."""
     monkeypatch.setitem(backends.AUTO_EAGER, "cpu", "reference")
     model, side = _model()
-    explainer, oracle = Explainer(model), Explainer(model, backend="reference")
     references = _counted(monkeypatch, reference)
-    tiers = []
-    for size in (4, 4, 4, 4, 2):
-        x = _images(size, side)
-        _check(explainer(x, 1), oracle(x, 1))
-        program, classes = explainer.program(x)
-        tiers.append(explainer._backend.runs_on(program, model, x, checked_readout(1, size, classes, x.device)))
+    tiers = _tiers(model, side, (4, 4, 4, 4, 2), Explainer(model, backend="reference"))
     assert compilations == [4]
     assert tiers == ["reference"] * 3 + ["compiled"] * 2
     assert references == [4] * 3 + [4, 4, 4, 4, 2]  # the explainer's three, then the oracle's
