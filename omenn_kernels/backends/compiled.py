@@ -19,8 +19,10 @@ reshapes, whose inputs Inductor may lay out otherwise
 (Inductor; CUDA graphs on CUDA; on the CPU a C++ wrapper around the kernels of a graph of few
 FLOPs, see :func:`inductor`; on the CPU, the Python wrapper around a graph whose repeated
 blocks, a transformer's layers or a stage's bottlenecks, each call one shared subgraph that
-Inductor generates once, :mod:`~omenn_kernels.backends.regions`). Most fused ops are traced as their aten math, so that
-Inductor fuses them with their neighbours (:func:`~omenn_kernels.ops.traced_as_aten`).
+Inductor generates once, :mod:`~omenn_kernels.backends.regions`, and whose kernels are built as
+one C++ source per compile thread, :mod:`~omenn_kernels.backends.one_build`). Most fused ops are
+traced as their aten math, so that Inductor fuses them with their neighbours
+(:func:`~omenn_kernels.ops.traced_as_aten`).
 Later calls with the same signature run the compiled graph only: no Python per node, no
 rule dispatch. Every call of a signature, the first included, returns the compiled graph's
 numbers (the first one's come from its check run), so results do not depend on which call
@@ -95,6 +97,7 @@ from ..readout import Readout
 from . import fused, regions, saved_graphs
 from .executor import BackendExplanation, ParameterGradient, held_pass, observing_steps
 from .layout import in_layout_of, runs_channels_last
+from .one_build import building_as_one
 from .parameter_only import ParameterDerived, hoist_parameter_only
 from .packed_weights import (constant_kernels, forget_reordered_kernel, forget_reordered_kernels,
                              pack_constant_convolutions, packing_available)
@@ -138,7 +141,8 @@ def matrix_flops(graph: torch.fx.GraphModule) -> int:
 def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callable:
     """``graph`` compiled by Inductor as one graph; under CUDA graphs where the inputs are on CUDA,
     with a C++ wrapper where a first-order graph on the CPU is small (``CPP_WRAPPER_FLOPS_PER_THREAD``;
-    where that fails, with the Python wrapper, logged at INFO).
+    where that fails, with the Python wrapper, logged at INFO); on the CPU, the Python wrapper's
+    kernels are built as one C++ source per compile thread (:mod:`.one_build`).
 
     The graph is already one aten graph, so it goes to Inductor directly (no Dynamo: no
     guards to check per call). A first-order explanation is compiled without autograd:
@@ -174,9 +178,10 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
             # (see regions) cannot take: the Python wrapper gets them fake and static.
             inputs = [fake_mode.from_tensor(t, static_shapes=True) for t in example] \
                 if fake_mode is not None and not cpp_wrapper else example
-            return compile_fx(graph, inputs, config_patches={"triton.cudagraphs": cuda and not differentiable,
-                                                              "layout_optimization": cuda,
-                                                              "cpp_wrapper": cpp_wrapper})
+            with contextlib.nullcontext() if cuda else building_as_one():
+                return compile_fx(graph, inputs, config_patches={"triton.cudagraphs": cuda and not differentiable,
+                                                                  "layout_optimization": cuda,
+                                                                  "cpp_wrapper": cpp_wrapper})
 
     if cpp_wrapper:
         # Inductor's C++ wrapper takes its example inputs from the placeholders' traced values,
