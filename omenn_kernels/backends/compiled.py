@@ -97,6 +97,7 @@ from ..readout import Readout
 from . import fused, regions, saved_graphs
 from .executor import BackendExplanation, ParameterGradient, held_pass, observing_steps
 from .layout import in_layout_of, runs_channels_last
+from .no_op_restrides import drop_no_op_restrides
 from .one_build import building_as_one
 from .parameter_only import ParameterDerived, hoist_parameter_only
 from .packed_weights import (constant_kernels, forget_reordered_kernel, forget_reordered_kernels,
@@ -554,11 +555,16 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
 
     def traced() -> tuple[torch.fx.GraphModule, int, ParameterDerived | None]:
         started = time.perf_counter()
-        # One fake mode for every traced value's metadata, where make_fx would make one per value.
+        # A first-order explanation is traced on fake tensors: no value is computed, the ops are
+        # recorded (the model's parameters and buffers stay real: the graph reads them). A
+        # differentiable one is traced on real tensors: traced on fake ones, convolutional models'
+        # parameter gradients fail their check. One fake mode holds every traced value's metadata.
         with traced_forwards(), observing_steps(regions.Recorder()), \
-                tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True))):
-            graph = make_fx(explanation, decomposition_table=decompositions)(*example)
+                tracing(TracingContext(FakeTensorMode(allow_fallback_kernels=True, allow_non_fake_inputs=True))):
+            graph = make_fx(explanation, decomposition_table=decompositions,
+                            tracing_mode="real" if differentiable else "fake", _allow_non_fake_inputs=True)(*example)
         started = timed("trace", started)
+        drop_no_op_restrides(graph)
         folded = fold_shape_only(graph, example)
         parameter_derived = hoist_parameter_only(graph)
         timed("passes", started)
