@@ -107,9 +107,10 @@ def test_float64_and_differentiable_explanations_keep_atens_convolutions(monkeyp
 @pytest.mark.parametrize("fault", ["raises", "wrong map"])
 def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault, monkeypatch, caplog):
     """Where oneDNN's rounding (here: a forced fault) does not pass the checks against the fused
-    backend, the signature is compiled again with ATen's convolutions, without a warning, from
-    the same trace."""
-    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
+    backend, the signature is compiled with ATen's convolutions, without a warning, from the
+    same trace; the packed graph fails its check before it is compiled."""
+    compilations = []
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: compilations.append(graph) or graph)
     pack, make_fx, traces = compiled.pack_constant_convolutions, compiled.make_fx, []
 
     def counted_make_fx(*args, **kwargs):
@@ -139,5 +140,27 @@ def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault
     assert "aten.convolution.default" in _called(explainer, x)
     assert any("with oneDNN's convolutions did not pass its checks" in r.getMessage() for r in caplog.records)
     assert len(traces) == 1
+    assert len(compilations) == 1  # the packed graph failed before Inductor
     native.load_cpu_kernels()
     assert torch.ops.omenn.clear_packed_weights() == 0  # the failed graph's kernels are not kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_only_a_graph_with_packed_convolutions_runs_before_it_is_compiled(dtype, monkeypatch):
+    """The checks against the fused backend, in the order they run: a float32 graph with packed
+    convolutions is checked uncompiled, then compiled and checked again; a float64 graph (ATen's
+    convolutions) is compiled and checked once."""
+    events = []
+    check = compiled._mismatch
+
+    def recorded_check(*args, **kwargs):
+        events.append("check")
+        return check(*args, **kwargs)
+
+    monkeypatch.setattr(compiled, "_mismatch", recorded_check)
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: events.append("compile") or graph)
+    model, x = _model(dtype), _images(dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="omenn_kernels")  # no fallback to the fused backend
+        Explainer(model, backend="compiled")(x, 1)
+    assert events == (["check", "compile", "check"] if dtype == torch.float32 else ["compile", "check"])
