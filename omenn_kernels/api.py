@@ -222,6 +222,7 @@ class Explainer:
             cached = self._cached_program(x)
             if cached is not None:
                 return cached
+            self._backend.before_capture(x.device)
             captured = capture(self.model, x, self.output)
             program = linearize(captured)
             program.feature_dim = feature_axis(self.feature_dim, x)

@@ -56,6 +56,13 @@ class Backend:
             return tiered.explain_batch(program, model, x, readout, parameter_gradient, eager=module)
         return module.explain_batch(program, model, x, readout, parameter_gradient)
 
+    def before_capture(self, device: torch.device) -> None:
+        """Start what this backend will need for a program about to be captured on ``device``
+        and the capture does not wait for (``compiled``: :func:`.compiled.before_capture`;
+        ``auto`` compiles only once a signature is hot, and starts it then)."""
+        if self.name == "compiled":
+            compiled.before_capture(device)
+
     def runs_on(self, program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
                 parameter_gradient: ParameterGradient | None = None) -> str:
         """The backend :meth:`explain` of these arguments runs: ``auto`` resolved; ``compiled`` only

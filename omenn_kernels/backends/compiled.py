@@ -94,7 +94,7 @@ from ..linearize.program import LinearizedProgram
 from ..linearize.values import channels_last as is_channels_last, traced_forwards
 from ..ops import traced_as_aten
 from ..readout import Readout
-from . import fused, regions, saved_graphs
+from . import fused, isa_probe, regions, saved_graphs
 from .executor import BackendExplanation, ParameterGradient, held_pass, observing_steps
 from .layout import in_layout_of, runs_channels_last
 from .no_op_restrides import drop_no_op_restrides
@@ -143,7 +143,8 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
     """``graph`` compiled by Inductor as one graph; under CUDA graphs where the inputs are on CUDA,
     with a C++ wrapper where a first-order graph on the CPU is small (``CPP_WRAPPER_FLOPS_PER_THREAD``;
     where that fails, with the Python wrapper, logged at INFO); on the CPU, the Python wrapper's
-    kernels are built as one C++ source per compile thread (:mod:`.one_build`).
+    kernels are built as one C++ source per compile thread (:mod:`.one_build`), once Inductor's
+    probe of the vector instruction sets, started before the capture, has finished (:mod:`.isa_probe`).
 
     The graph is already one aten graph, so it goes to Inductor directly (no Dynamo: no
     guards to check per call). A first-order explanation is compiled without autograd:
@@ -157,6 +158,7 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
 
     cuda = any(t.is_cuda for t in example)
     differentiable = any(t.requires_grad for t in example)
+    isa_probe.wait()
     cpp_wrapper = False
     if not cuda and not differentiable:
         flops = graph.meta["matrix_flops"] if "matrix_flops" in graph.meta else matrix_flops(graph)
@@ -358,6 +360,7 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
             compiled, outputs = loaded
             _keep(program, key, compiled)
             return in_layout_of(given, channels_last, outputs)
+        before_capture(x.device)  # an auto signature that is hot compiles here
         expected = fused.explain_batch(program, model, x, readout, parameter_gradient)
         with CAPTURE_LOCK:  # make_fx, like torch.export, holds process-wide dispatch modes while it traces
             compiled, outputs = _compiled(program, model, x, readout, parameter_gradient, trained, expected,
@@ -382,6 +385,13 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
             outputs = expected
         return in_layout_of(given, channels_last, outputs)
     return in_layout_of(given, channels_last, _run(compiled, x, readout, trained, parameter_gradient))
+
+
+def before_capture(device: torch.device) -> None:
+    """Start what compiling on ``device`` needs and the capture of a program does not wait for:
+    on the CPU, Inductor's probe of the vector instruction sets (:mod:`.isa_probe`)."""
+    if device.type == "cpu" and COMPILER is inductor:
+        isa_probe.start()
 
 
 def _saved_key(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,

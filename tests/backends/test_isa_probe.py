@@ -1,0 +1,81 @@
+"""Inductor's probe of the vector instruction sets on a thread of its own (backends/isa_probe.py):
+started once, before the capture of a compiled backend's program on the CPU and only there, and
+finished before Inductor compiles. Inductor's probe is replaced by one that waits for the test."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._inductor import cpu_vec_isa
+
+from omenn_kernels import Explainer
+from omenn_kernels.backends import Backend, compiled, isa_probe
+
+THREAD = "omenn-kernels-isa-probe"
+
+
+@pytest.fixture
+def probe(monkeypatch, tmp_path) -> SimpleNamespace:
+    """``ran``: the threads the probe ran on; it runs once ``release`` is set. No probe started before."""
+    state = SimpleNamespace(ran=[], release=threading.Event())
+
+    def valid_vec_isa_list():
+        state.release.wait(10)
+        state.ran.append(threading.current_thread().name)
+        return []
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # where a compiled graph is saved
+    monkeypatch.setattr(isa_probe, "_thread", None)
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", valid_vec_isa_list)
+    yield state
+    state.release.set()
+    isa_probe.wait()
+
+
+def _mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.GELU(), torch.nn.Linear(3, 2)).eval()
+
+
+def test_the_probe_runs_once_on_its_own_thread(probe):
+    isa_probe.start()
+    isa_probe.start()
+    assert probe.ran == []  # started, not waited for
+    probe.release.set()
+    isa_probe.wait()
+    assert probe.ran == [THREAD]
+
+
+@pytest.mark.parametrize("backend, device, starts", [("compiled", "cpu", True), ("auto", "cpu", False),
+                                                     ("fused", "cpu", False), ("compiled", "meta", False)])
+def test_the_compiled_backend_starts_the_probe_before_a_capture_on_the_cpu(backend, device, starts, probe):
+    Backend(backend).before_capture(torch.device(device))
+    assert (isa_probe._thread is not None) == starts
+
+
+def test_no_probe_for_another_compiler(probe, monkeypatch):
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
+    Explainer(_mlp(), backend="compiled", feature_dim=1)(torch.randn(2, 4))
+    assert isa_probe._thread is None
+
+
+def test_inductor_compiles_once_the_probe_has_finished(probe, monkeypatch):
+    import torch._inductor.compile_fx
+
+    events, wait = [], isa_probe.wait
+
+    def waited():
+        probe.release.set()
+        wait()
+        events.append(f"waited: {probe.ran}")
+
+    def compile_fx(graph, example_inputs, config_patches=None):
+        events.append("compiled")
+        return graph
+
+    monkeypatch.setattr(isa_probe, "wait", waited)
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", compile_fx)
+    Explainer(_mlp(), backend="compiled", feature_dim=1)(torch.randn(2, 4))
+    assert events == [f"waited: {[THREAD]}", "compiled"]
