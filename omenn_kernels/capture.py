@@ -191,6 +191,11 @@ def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelecto
         OutputError: ``output`` picks no tensor from the model's output.
         CaptureError: the forward cannot be exported, takes other inputs, or mutates buffers.
     """
+    if not example.is_contiguous() and not (example.dim() == 4 and example.is_contiguous(
+            memory_format=torch.channels_last)):
+        # export's guards cannot describe the strides of a view with gaps (a crop of a larger
+        # batch): the same values, laid out densely, trace the same graph.
+        example = example.contiguous()
     # The caller's dispatch modes (a FlopCounterMode, say) see none of the tracing's fake ops.
     with CAPTURE_LOCK, _disable_current_modes():
         try:

@@ -108,6 +108,21 @@ def test_every_layout_is_complete_and_every_backend_equals_the_reference(name, t
         _assert_close(e.weight, reference.weight)
 
 
+@pytest.mark.parametrize("name", ["audio", "video", "tokens"])
+def test_a_view_with_gaps_is_explained_as_its_dense_copy(name, traced_compiler):
+    """A crop along the last axis of a larger batch: captured and explained as the same values
+    laid out densely, by every backend, to rounding."""
+    model, x, feature_dim, _ = _case(name)
+    wider = torch.randn(*x.shape[:-1], x.shape[-1] + 3, generator=torch.Generator().manual_seed(3), dtype=DT)
+    view = wider[..., :x.shape[-1]]
+    assert not view.is_contiguous()
+    for backend in BACKENDS:
+        got = explain(model, view, 3, backend=backend, feature_dim=feature_dim)
+        want = explain(model, view.contiguous(), 3, backend=backend, feature_dim=feature_dim)
+        _assert_close(got.contribution, want.contribution)
+        _assert_close(got.weight, want.weight)
+
+
 @pytest.mark.parametrize("name", [name for name, case in CASES.items() if case[3]])
 @pytest.mark.parametrize("backend", ["reference", "fused"])
 def test_piecewise_linear_models_give_the_paper_literal_form(name, backend):
