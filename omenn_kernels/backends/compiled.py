@@ -120,9 +120,10 @@ Compiler = Callable[[torch.fx.GraphModule, list[torch.Tensor]], Callable]
 CPP_WRAPPER_FLOPS_PER_THREAD = 1e9
 
 
-def matrix_flops(graph: torch.fx.GraphModule) -> int:
-    """The FLOPs of ``graph``'s matrix products and convolutions, from its traced shapes
-    (``torch.utils.flop_counter``'s formulas; the fused ops register theirs)."""
+def matrix_flops(graph: torch.fx.GraphModule, ops: set | None = None) -> int:
+    """The FLOPs of ``graph``'s matrix products and convolutions (of the ops in ``ops`` alone,
+    given as overload packets), from its traced shapes (``torch.utils.flop_counter``'s formulas;
+    the fused ops register theirs)."""
     from torch.utils.flop_counter import flop_registry
 
     def value(arg):
@@ -132,8 +133,9 @@ def matrix_flops(graph: torch.fx.GraphModule) -> int:
 
     total = 0
     for node in graph.graph.nodes:
-        formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
-        if node.op == "call_function" and formula is not None:
+        packet = getattr(node.target, "overloadpacket", None)
+        formula = flop_registry.get(packet)
+        if node.op == "call_function" and formula is not None and (ops is None or packet in ops):
             args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), value)
             total += formula(*args, **kwargs, out_val=node.meta["val"])
     return total
@@ -621,9 +623,6 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         timed("check compiled", started)
         return graph, compiled, result, mismatch, counts
 
-    # oneDNN's convolutions sum in another order than ATen's: where that moves the explanation
-    # beyond the checks' tolerance (a ReLU gate flipped by a rounding), ATen's are kept.
-    onednn = x.device.type == "cpu" and x.dtype == torch.float32 and not differentiable and packing_available()
     start = time.perf_counter()
     mismatch = None
     try:
@@ -631,6 +630,10 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         failure = None
     except Exception as error:  # any failure of the toolchain falls back, never a wrong map
         failure = first_line(error)
+    # oneDNN's convolutions sum in another order than ATen's: where that moves the explanation
+    # beyond the checks' tolerance (a ReLU gate flipped by a rounding), ATen's are kept.
+    onednn = x.device.type == "cpu" and x.dtype == torch.float32 and not differentiable and packing_available() \
+        and failure is None and _convolutions_weigh(traced_graph)
     for pack in ((True, False) if onednn else (False,)) if failure is None else ():
         try:
             graph, compiled, result, mismatch, (packed, parameter_derived, saved) = checked_and_compiled(
@@ -670,6 +673,17 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     return CompiledExplanation(graph, compiled, seconds, stages, parameter_derived,
                                Watch(kernels) if kernels else None, x.shape[0]), \
         result
+
+
+# Below this share of a graph's matrix FLOPs its convolutions are not packed: a ViT's patch
+# embedding (under 1 %) runs no faster packed, and a packed graph costs a run before Inductor.
+PACKED_CONVOLUTIONS_MIN_SHARE = 0.1
+
+
+def _convolutions_weigh(graph: torch.fx.GraphModule) -> bool:
+    """Whether ``graph``'s convolutions are worth packing (:data:`PACKED_CONVOLUTIONS_MIN_SHARE`)."""
+    convolutions = matrix_flops(graph, {torch.ops.aten.convolution, torch.ops.aten.convolution_backward})
+    return convolutions > 0 and convolutions >= PACKED_CONVOLUTIONS_MIN_SHARE * matrix_flops(graph)
 
 
 def _detached(explanation: BackendExplanation) -> BackendExplanation:

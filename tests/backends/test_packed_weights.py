@@ -145,22 +145,45 @@ def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault
     assert torch.ops.omenn.clear_packed_weights() == 0  # the failed graph's kernels are not kept
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_only_a_graph_with_packed_convolutions_runs_before_it_is_compiled(dtype, monkeypatch):
-    """The checks against the fused backend, in the order they run: a float32 graph with packed
-    convolutions is checked uncompiled, then compiled and checked again; a float64 graph (ATen's
-    convolutions) is compiled and checked once."""
-    events = []
+class _PatchEmbedding(nn.Module):
+    """A ViT's shape of work: one patch convolution, then products with 1,000 times its FLOPs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = nn.Conv2d(3, 16, 4, stride=4)
+        self.mlp = nn.Sequential(*(layer for _ in range(4) for layer in (nn.Linear(16, 512), nn.GELU(),
+                                                                          nn.Linear(512, 16))))
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mlp(self.patches(x).flatten(2).transpose(1, 2)).mean(1))
+
+
+@pytest.mark.parametrize("model, dtype, events", [
+    ("convolutions", torch.float32, ["check", "compile", "check"]),
+    ("convolutions", torch.float64, ["compile", "check"]),
+    ("patch embedding", torch.float32, ["compile", "check"])])
+def test_only_a_graph_with_packed_convolutions_runs_before_it_is_compiled(model, dtype, events, monkeypatch):
+    """The checks against the fused backend, in the order they run: a float32 graph whose
+    convolutions weigh is packed, checked uncompiled, then compiled and checked again; a float64
+    graph (ATen's convolutions) and one whose convolutions are under a tenth of its products
+    are not packed, and are compiled and checked once."""
+    ran = []
     check = compiled._mismatch
 
     def recorded_check(*args, **kwargs):
-        events.append("check")
+        ran.append("check")
         return check(*args, **kwargs)
 
     monkeypatch.setattr(compiled, "_mismatch", recorded_check)
-    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: events.append("compile") or graph)
-    model, x = _model(dtype), _images(dtype)
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: ran.append("compile") or graph)
+    if model == "convolutions":
+        model, x = _model(dtype), _images(dtype)
+    else:
+        model, x = randomize_(_PatchEmbedding(), seed=5).eval(), _images()[..., :16, :12]
+    explainer = Explainer(model, backend="compiled")
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="omenn_kernels")  # no fallback to the fused backend
-        Explainer(model, backend="compiled")(x, 1)
-    assert events == (["check", "compile", "check"] if dtype == torch.float32 else ["compile", "check"])
+        explainer(x, 1)
+    assert ran == events
+    assert bool(PACKED & set(_called(explainer, x))) == (len(events) == 3)
