@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Union
 
 import sympy
 import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false as is_dense
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import free_symbols
@@ -191,8 +192,7 @@ def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelecto
         OutputError: ``output`` picks no tensor from the model's output.
         CaptureError: the forward cannot be exported, takes other inputs, or mutates buffers.
     """
-    if not example.is_contiguous() and not (example.dim() == 4 and example.is_contiguous(
-            memory_format=torch.channels_last)):
+    if not is_dense(example):
         # export's guards cannot describe the strides of a view with gaps (a crop of a larger
         # batch): the same values, laid out densely, trace the same graph.
         example = example.contiguous()
