@@ -16,7 +16,8 @@ runs a float32 CPU graph's convolutions of constant kernels on oneDNN with the k
 reordered once (:mod:`~omenn_kernels.backends.packed_weights`), writes its views as
 reshapes, whose inputs Inductor may lay out otherwise
 (:mod:`~omenn_kernels.backends.views_as_reshapes`), and compiles that graph
-(Inductor; CUDA graphs on CUDA; on the CPU a C++ wrapper around the kernels of a graph of few
+(Inductor; on the CPU without AOTAutograd, :mod:`~omenn_kernels.backends.direct_inductor`;
+CUDA graphs on CUDA; on the CPU a C++ wrapper around the kernels of a graph of few
 FLOPs, see :func:`inductor`; on the CPU, the Python wrapper around a graph whose repeated
 blocks, a transformer's layers or a stage's bottlenecks, each call one shared subgraph that
 Inductor generates once, :mod:`~omenn_kernels.backends.regions`, and whose kernels are built as
@@ -94,7 +95,7 @@ from ..linearize.program import LinearizedProgram
 from ..linearize.values import channels_last as is_channels_last, traced_forwards
 from ..ops import traced_as_aten
 from ..readout import Readout
-from . import fused, isa_probe, regions, saved_graphs
+from . import direct_inductor, fused, isa_probe, regions, saved_graphs
 from .executor import BackendExplanation, ParameterGradient, held_pass, observing_steps
 from .layout import in_layout_of, runs_channels_last
 from .no_op_restrides import drop_no_op_restrides
@@ -103,6 +104,7 @@ from .parameter_only import ParameterDerived, hoist_parameter_only
 from .packed_weights import (constant_kernels, forget_reordered_kernel, forget_reordered_kernels,
                              pack_constant_convolutions, packing_available)
 from .shape_only import fold_shape_only
+from .strided_writes import scatter_strided_writes
 from .views_as_reshapes import views_as_reshapes
 from .watched import Watch
 
@@ -150,12 +152,14 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
 
     The graph is already one aten graph, so it goes to Inductor directly (no Dynamo: no
     guards to check per call). A first-order explanation is compiled without autograd:
-    the graph holds the backward. Where example inputs require a gradient (the parameters
+    the graph holds the backward; on the CPU, a functional one goes to Inductor's graph compiler
+    without AOTAutograd's traces (:mod:`.direct_inductor`). Where example inputs require a gradient (the parameters
     of a differentiable explanation), Inductor differentiates the graph through
     AOTAutograd; without CUDA graphs there, whose output buffers the next call overwrites
     while a training step's autograd graph still holds them.
     """
-    from torch._inductor.compile_fx import compile_fx  # imported on first use: it loads all of Inductor
+    from torch._inductor import config as inductor_config  # imported on first use: it loads all of Inductor
+    from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     cuda = any(t.is_cuda for t in example)
@@ -184,6 +188,13 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
             inputs = [fake_mode.from_tensor(t, static_shapes=True) for t in example] \
                 if fake_mode is not None and not cpp_wrapper else example
             with contextlib.nullcontext() if cuda else building_as_one():
+                if not cuda and not differentiable and direct_inductor.functional(graph):
+                    try:
+                        with inductor_config.patch({"layout_optimization": False}):
+                            return direct_inductor.compile_graph(graph, inputs, cpp_wrapper)
+                    except Exception as error:  # compiled through AOTAutograd instead
+                        log.info("Inductor's graph compiler did not compile the explanation directly (%s); "
+                                 "compiling it through AOTAutograd", first_line(error))
                 return compile_fx(graph, inputs, config_patches={"triton.cudagraphs": cuda and not differentiable,
                                                                   "layout_optimization": cuda,
                                                                   "cpp_wrapper": cpp_wrapper})
@@ -558,6 +569,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
 
     example = [x, *readout.tensors, *trained.values()]  # the images, the read-out's tensors, the trained parameters
     decompositions = traced_as_aten(x.device, differentiable)
+    if x.device.type == "cpu" and not differentiable and COMPILER is inductor:
+        decompositions = {**direct_inductor.decompositions(), **decompositions}  # compiled without AOTAutograd
 
     stages = dict.fromkeys(STAGES, 0.0)
 
@@ -578,6 +591,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
                             tracing_mode="real" if differentiable else "fake", _allow_non_fake_inputs=True)(*example)
         started = timed("trace", started)
         drop_no_op_restrides(graph)
+        scatter_strided_writes(graph)
         folded = fold_shape_only(graph, example)
         parameter_derived = hoist_parameter_only(graph)
         timed("passes", started)
@@ -602,7 +616,9 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
             if mismatch:
                 return graph, None, None, mismatch, (packed, parameter_derived, None)
         saved = None
-        if saved_key is not None:
+        # Saved code computes an op of no inputs once, on loading: a graph that writes such a tensor in
+        # place would keep one call's writes for the next.
+        if saved_key is not None and direct_inductor.functional(graph):
             try:
                 # The graph is saved without its shapes: its FLOPs go with it.
                 saved = saved_graphs.record(program, model, graph, parameter_derived, matrix_flops(graph))

@@ -46,12 +46,13 @@ def free(node: Node) -> bool:
 
 
 def foldable_op(node: Node) -> bool:
-    """A deterministic, functional aten op (or a tuple item): its value is a function of its arguments."""
+    """A deterministic, functional aten or prims op (or a tuple item): its value is a function of its
+    arguments. (Inductor's decompositions trace some aten ops as prims, a cast as ``convert_element_type``.)"""
     if node.op != "call_function":
         return False
     if node.target is operator.getitem:
         return True
-    if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace != "aten":
+    if not isinstance(node.target, torch._ops.OpOverload) or node.target.namespace not in ("aten", "prims"):
         return False
     schema = node.target._schema
     mutates = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)

@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from omenn_kernels import Explainer, InputError, ReadoutFunction, TargetError
-from omenn_kernels.backends import compiled, fused
+from omenn_kernels.backends import compiled, direct_inductor, fused
 from omenn_kernels.backends.layout import runs_channels_last
 from omenn_kernels.readout import Readout
 from omenn_kernels.testing import FAMILIES, randomize_, relative_distance
@@ -515,7 +515,7 @@ def test_inductor_compiles_the_explanation_and_follows_parameter_updates(wrapper
         _assert_equal_explanations(explainer(x, 2), reference(x, 2), torch.float32)
     program, _ = explainer.program(x)
     run = next(iter(compiled.explanations(program).values())).run
-    assert not isinstance(run, torch.fx.GraphModule)
+    assert isinstance(run, direct_inductor.CompiledGraph)  # Inductor's graph compiler, without AOTAutograd
     assert ("inductor_entry" in run.source_code) == (wrapper == "C++")  # the C++ wrapper's entry point
     # The same architecture with other weights, captured and traced again, reads Inductor's code
     # back from its on-disk cache (as a new process would) and explains with its own weights.
@@ -531,13 +531,19 @@ def test_inductor_compiles_the_explanation_and_follows_parameter_updates(wrapper
 def test_a_graph_the_cpp_wrapper_cannot_compile_gets_the_python_wrapper_without_a_warning(monkeypatch, caplog):
     import torch._inductor.compile_fx as inductor_entry
 
-    real = inductor_entry.compile_fx
+    real, real_direct = inductor_entry.compile_fx, direct_inductor.compile_graph
 
     def without_cpp_wrapper(graph, example, config_patches=None, **kwargs):
         if (config_patches or {}).get("cpp_wrapper"):
             raise RuntimeError("no C++ wrapper here")
         return real(graph, example, config_patches=config_patches, **kwargs)
+
+    def directly_without_cpp_wrapper(graph, example, cpp_wrapper):
+        if cpp_wrapper:
+            raise RuntimeError("no C++ wrapper here")
+        return real_direct(graph, example, cpp_wrapper)
     monkeypatch.setattr(inductor_entry, "compile_fx", without_cpp_wrapper)
+    monkeypatch.setattr(direct_inductor, "compile_graph", directly_without_cpp_wrapper)
     model, x = _model("cnn", torch.float32)
     explainer = Explainer(model, backend="compiled")
     with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="omenn_kernels.compiled"):

@@ -12,7 +12,7 @@ import torch
 from torch._inductor import cpu_vec_isa
 
 from omenn_kernels import Explainer
-from omenn_kernels.backends import Backend, compiled, isa_probe
+from omenn_kernels.backends import Backend, compiled, direct_inductor, isa_probe
 
 THREAD = "omenn-kernels-isa-probe"
 
@@ -62,8 +62,6 @@ def test_no_probe_for_another_compiler(probe, monkeypatch):
 
 
 def test_inductor_compiles_once_the_probe_has_finished(probe, monkeypatch):
-    import torch._inductor.compile_fx
-
     events, wait = [], isa_probe.wait
 
     def waited():
@@ -71,11 +69,11 @@ def test_inductor_compiles_once_the_probe_has_finished(probe, monkeypatch):
         wait()
         events.append(f"waited: {probe.ran}")
 
-    def compile_fx(graph, example_inputs, config_patches=None):
+    def compile_graph(graph, example_inputs, cpp_wrapper):
         events.append("compiled")
         return graph
 
     monkeypatch.setattr(isa_probe, "wait", waited)
-    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", compile_fx)
+    monkeypatch.setattr(direct_inductor, "compile_graph", compile_graph)
     Explainer(_mlp(), backend="compiled", feature_dim=1)(torch.randn(2, 4))
     assert events == [f"waited: {[THREAD]}", "compiled"]

@@ -154,5 +154,5 @@ def test_inductor_compiles_the_outlined_blocks_once(monkeypatch, caplog, tmp_pat
     assert "outlined" in caplog.text and "did not compile" not in caplog.text
     (kept,) = compiled.explanations(explainer.program(x)[0]).values()
     source = kept.run.source_code
-    subgraphs = [line for line in source.splitlines() if line.startswith("def repeated_subgraph")]
+    subgraphs = [line for line in source.splitlines() if line.startswith("def omenn_region")]
     assert len(subgraphs) == 2 and all(source.count(f"{line[4:line.index('(')]}(") >= 3 for line in subgraphs)

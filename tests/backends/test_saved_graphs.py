@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from omenn_kernels import Explainer
-from omenn_kernels.backends import compiled
+from omenn_kernels.backends import compiled, direct_inductor
 from omenn_kernels.capture import bound_tensors
 
 from test_compiled_backend import _assert_equal_explanations, _model
@@ -110,3 +110,12 @@ def test_a_graph_is_saved_whole_for_every_user_or_not_at_all(saving, monkeypatch
     _explained(model, x)  # a new explainer traces again, and saves
     (path,) = saving.iterdir()
     assert path.suffix == ".pt" and path.stat().st_mode & 0o777 == 0o644
+
+
+def test_a_graph_that_writes_in_place_is_not_saved(saving, monkeypatch):
+    """Saved code computes an op of no inputs once, on loading: a graph that writes in place (not
+    functional) is traced again by every process."""
+    monkeypatch.setattr(direct_inductor, "functional", lambda graph: False)
+    model, x = _model("cnn", torch.float64)
+    _explained(model, x)
+    assert not list(saving.glob("*.pt"))

@@ -69,8 +69,8 @@ class _AddedAtArgMax(torch.autograd.Function):
         ctx.save_for_backward(indices)
         ctx.dim = dim
         batch = grad.shape[0]
-        shared = grad.new_zeros(batch, shape[dim])
-        shared.scatter_add_(1, indices.reshape(batch, -1), grad.reshape(batch, -1))
+        # Out of place: a traced explanation stays functional (see backends.direct_inductor).
+        shared = grad.new_zeros(batch, shape[dim]).scatter_add(1, indices.reshape(batch, -1), grad.reshape(batch, -1))
         return shared.view(shape)
 
     @staticmethod
