@@ -37,6 +37,7 @@ from torch.utils.module_tracker import ModuleTracker
 
 from .errors import CaptureError, InputError, OutputError
 from .early_selection import select_early
+from .eval_graph import functionalized
 from .folding import fold_batch_norms
 
 log = logging.getLogger("omenn_kernels.capture")
@@ -201,7 +202,9 @@ def capture(model: torch.nn.Module, example: torch.Tensor, output: OutputSelecto
         try:
             with eval_semantics(model):
                 program = _export(_SelectedOutput(model, output), example)
-            program = program.run_decompositions({})  # functional ops, eval-mode norms
+            if not functionalized(program):
+                log.debug("%s: the exported graph is made functional by run_decompositions", type(model).__name__)
+                program = program.run_decompositions({})  # functional ops, eval-mode norms
         except OutputError:
             raise
         except Exception as error:  # export raises many unrelated types; report them as one

@@ -222,9 +222,14 @@ def test_sigmoid_scaled_by_a_constant_is_an_activation():
     torch.testing.assert_close(e.weight, cw, rtol=1e-10, atol=1e-13)
 
 
+class _Rows(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1)
+
+
 def test_a_program_prints_as_a_table_of_its_nodes():
     """``print(program)``: a header, then per node its name, op, kind, rule and module path."""
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)).to(DT)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), _Rows(), nn.Linear(4 * 4 * 4, 2)).to(DT)
     program = linearize(capture(model, torch.randn(2, 3, 6, 6, dtype=DT)))
     lines = str(program).splitlines()
     assert len(lines) == 2 + len(program.steps)
