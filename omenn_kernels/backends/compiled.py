@@ -40,8 +40,8 @@ A program that serves several batch sizes (:func:`~omenn_kernels.capture.capture
 traced and compiled once, at the size of the first batch of a signature: the signature
 holds no batch size. A batch of another size runs that graph in chunks of its size, the
 last chunk filled up with copies of its last sample, whose rows are dropped: samples are
-independent in the eval-mode forward. The first batch of each new size is also explained
-by the fused backend and checked against (as at compile time); a size whose chunked
+independent in the eval-mode forward. The first batch of each new size is also checked
+against the fused backend (as at compile time, :func:`check_rows`); a size whose chunked
 explanation does not pass (a forward that mixes samples) runs on the fused backend, with
 one warning. A batch's numbers depend on its samples and on the size the graph was traced
 at, so they do not change between calls; the same batch explained after a first batch of
@@ -96,7 +96,8 @@ from ..linearize.values import channels_last as is_channels_last, traced_forward
 from ..ops import traced_as_aten
 from ..readout import Readout
 from . import direct_inductor, fused, isa_probe, regions, saved_graphs
-from .executor import BackendExplanation, ParameterGradient, held_pass, observing_steps
+from .executor import (BackendExplanation, ParameterGradient, forget_ones_decisions, held_pass, observing_steps,
+                       share_ones_decisions)
 from .layout import in_layout_of, runs_channels_last
 from .no_op_restrides import drop_no_op_restrides
 from .one_build import building_as_one
@@ -200,9 +201,9 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
                                                                   "cpp_wrapper": cpp_wrapper})
 
     if cpp_wrapper:
-        # Inductor's C++ wrapper takes its example inputs from the placeholders' traced values,
-        # which make_fx leaves in a fake mode each and Inductor will not mix: it takes the
-        # real inputs instead.
+        # Through compile_fx (where the direct path declines), the C++ wrapper takes its example
+        # inputs from the placeholders' traced values, which make_fx leaves in a fake mode each and
+        # Inductor will not mix: it takes the real inputs instead. The direct path makes its own.
         for node in graph.graph.nodes:
             if node.op == "placeholder":
                 node.meta.pop("val", None)
@@ -374,30 +375,89 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
             _keep(program, key, compiled)
             return in_layout_of(given, channels_last, outputs)
         before_capture(x.device)  # an auto signature that is hot compiles here
-        expected = fused.explain_batch(program, model, x, readout, parameter_gradient)
+        check = _FusedCheck(program, model, x, readout, parameter_gradient, trained)
         with CAPTURE_LOCK:  # make_fx, like torch.export, holds process-wide dispatch modes while it traces
-            compiled, outputs = _compiled(program, model, x, readout, parameter_gradient, trained, expected,
-                                          saved_key)
+            compiled, outputs = _compiled(program, model, x, readout, parameter_gradient, trained, check, saved_key)
             _keep(program, key, compiled)
-        outputs = expected if compiled is _FAILED else _owned(outputs, x, parameter_gradient)
-        return in_layout_of(given, channels_last, outputs)
+        return in_layout_of(given, channels_last, outputs if compiled is _FAILED else
+                            _owned(outputs, x, parameter_gradient))
     _keep(program, key, compiled)
     if compiled is _FAILED or compiled.batches.get(batch) is False:
         return in_layout_of(given, channels_last, fused.explain_batch(program, model, x, readout, parameter_gradient))
     if batch != compiled.batch and batch not in compiled.batches:  # the first batch of this size: checked
-        expected = fused.explain_batch(program, model, x, readout, parameter_gradient)
+        check = _FusedCheck(program, model, x, readout, parameter_gradient, trained)
         outputs = _run(compiled, x, readout, trained, parameter_gradient)
-        dtype = computing_dtype(compiled.graph.graph, x)
-        mismatch = _mismatch(_detached(outputs), _detached(expected), x, dtype) or \
-            (_gradient_mismatch(outputs, expected, list(trained.values()), x, dtype) if parameter_gradient else None)
+        mismatch = check.mismatch(outputs, computing_dtype(compiled.graph.graph, x))
         compiled.batches[batch] = mismatch is None
         if mismatch:
             warnings.warn(f"omenn_kernels: run in chunks of {compiled.batch} samples, the "
                           f"{mismatch.format(type(model).__name__)} on a batch of {batch}; batches of {batch} "
                           "run on the fused backend", RuntimeWarning, stacklevel=4)
-            outputs = expected
+            outputs = check.whole()
         return in_layout_of(given, channels_last, outputs)
     return in_layout_of(given, channels_last, _run(compiled, x, readout, trained, parameter_gradient))
+
+
+def check_rows(program: LinearizedProgram, x: torch.Tensor,
+               parameter_gradient: ParameterGradient | None) -> torch.Tensor | None:
+    """The samples of ``x`` whose fused explanation a compiled graph's is checked against first: the
+    first and the last, where the batch has more than two and the capture serves a batch of two (a
+    forward that explains each sample on its own shows a wrong graph on the pair as on the batch, at
+    a fraction of a fused call); None, every sample, otherwise, in half precision and for a
+    differentiable explanation, whose parameter gradient sums over the batch. See :class:`_FusedCheck`."""
+    if parameter_gradient is not None or x.shape[0] <= 2 or not program.captured.serves_batch(2) \
+            or x.dtype not in REORDERED_TOLERANCE or torch.is_autocast_enabled(x.device.type):
+        return None  # in half precision, completeness is bounded by the fused backend's own error
+    return torch.tensor([0, x.shape[0] - 1], device=x.device)
+
+
+class _FusedCheck:
+    """The check of a compiled graph's explanation of ``x`` against the fused backend's.
+
+    The fused backend explains the samples :func:`check_rows` picks, and the graph's explanation
+    must equal it there and be complete on every sample (:func:`_mismatch`). Where it is not, the
+    fused backend explains the whole batch, which decides: a forward that mixes samples (a mean
+    over the batch) differs on the pair alone, and its graph may still be right for this batch.
+    The fused run on the pair also settles the ones checks (``OnesChecks``) that a trace of the
+    whole batch reads; they are dropped again where the pair does not decide.
+    """
+
+    def __init__(self, program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
+                 parameter_gradient: ParameterGradient | None, trained: dict[str, torch.Tensor]) -> None:
+        self.program, self.model, self.x, self.readout = program, model, x, readout
+        self.parameter_gradient, self.trained = parameter_gradient, trained
+        self.rows = check_rows(program, x, parameter_gradient)
+        if self.rows is None:
+            self.expected = fused.explain_batch(program, model, x, readout, parameter_gradient)
+            self.shared: list[tuple] = []
+        else:
+            tensors = [t.index_select(0, self.rows) if _per_sample(t, x) else t for t in readout.tensors]
+            self.expected = fused.explain_batch(program, model, x.index_select(0, self.rows),
+                                                readout.with_tensors(tensors), parameter_gradient)
+            self.shared = share_ones_decisions(program, len(self.rows), x.shape[0])
+
+    def mismatch(self, got: BackendExplanation, dtype: torch.dtype) -> str | None:
+        """Why ``got`` is not the fused backend's explanation (see :func:`_mismatch`), or None."""
+        mismatch = _mismatch(_detached(got), _detached(self.expected), self.x, dtype, self.rows)
+        if mismatch and self.rows is not None:
+            self.whole()
+            mismatch = _mismatch(_detached(got), _detached(self.expected), self.x, dtype)
+        if mismatch is None and self.parameter_gradient is not None:
+            mismatch = _gradient_mismatch(got, self.expected, list(self.trained.values()), self.x, dtype)
+        return mismatch
+
+    def whole(self) -> BackendExplanation:
+        """The fused backend's explanation of the whole batch."""
+        if self.rows is not None:
+            forget_ones_decisions(self.program, self.shared)
+            self.rows, self.shared = None, []
+            self.expected = fused.explain_batch(self.program, self.model, self.x, self.readout,
+                                                self.parameter_gradient)
+        return self.expected
+
+
+def _at(explanation: BackendExplanation, rows: torch.Tensor | None) -> BackendExplanation:
+    return explanation if rows is None else BackendExplanation(*(t.index_select(0, rows) for t in explanation))
 
 
 def before_capture(device: torch.device) -> None:
@@ -532,10 +592,10 @@ STAGES = ("trace", "passes", "check packed", "save", "inductor", "check compiled
 
 def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
               parameter_gradient: ParameterGradient | None, trained: dict[str, torch.Tensor],
-              expected: BackendExplanation, saved_key: str | None = None
-              ) -> tuple[CompiledExplanation | object, tuple | None]:
-    """The traced and compiled explanation of ``readout``'s signature, checked against ``expected``,
-    and the outputs of its check run on this input.
+              check: _FusedCheck, saved_key: str | None = None
+              ) -> tuple[CompiledExplanation | object, tuple | BackendExplanation]:
+    """The traced and compiled explanation of ``readout``'s signature, passed by ``check``, and the
+    outputs of its check run on this input.
 
     The compiled graph is checked against the fused backend's explanation of the same input:
     its fused kernels round differently, so it must reproduce that explanation to the
@@ -548,8 +608,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     order, which can flip a ReLU gate: that graph is run once uncompiled and checked the same
     way before Inductor, where a failure costs an eager call rather than a compilation. No
     other traced graph is run: a run costs about an eager call, and the compiled graph's
-    check covers the trace. Returns ``(_FAILED, None)`` (after one warning naming the cause)
-    where tracing or compiling fails or a check does not hold.
+    check covers the trace. Returns ``_FAILED`` and the fused backend's explanation of the batch
+    (after one warning naming the cause) where tracing or compiling fails or a check does not hold.
 
     With a ``saved_key`` the graph that passes its check is saved for later processes
     (:mod:`~omenn_kernels.backends.saved_graphs`); the graph compiled is the one they will load
@@ -611,7 +671,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         if packed:  # oneDNN's sums can fail the check (see below): found on the traced graph, before Inductor
             with torch.no_grad():
                 replayed = BackendExplanation(*graph(*example))
-            mismatch = _mismatch(replayed, _detached(expected), x, dtype)
+            mismatch = check.mismatch(replayed, dtype)
             started = timed("check packed", started)
             if mismatch:
                 return graph, None, None, mismatch, (packed, parameter_derived, None)
@@ -634,8 +694,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         started = timed("inductor", started)
         with torch.set_grad_enabled(differentiable):
             result = BackendExplanation(*compiled(*example))
-        mismatch = _mismatch(_detached(result), _detached(expected), x, dtype) \
-            or (_gradient_mismatch(result, expected, list(trained.values()), x, dtype) if differentiable else None)
+        mismatch = check.mismatch(result, dtype)
         timed("check compiled", started)
         return graph, compiled, result, mismatch, counts
 
@@ -667,11 +726,11 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         warnings.warn(f"omenn_kernels: the compiled backend could not compile the explanation of "
                       f"{type(model).__name__} on an input of shape {tuple(x.shape)} ({failure}); this signature "
                       "runs on the fused backend", RuntimeWarning, stacklevel=5)
-        return _FAILED, None
+        return _FAILED, check.whole()
     if mismatch:
         warnings.warn(f"omenn_kernels: the {mismatch.format(type(model).__name__)}; this signature runs on the "
                       "fused backend", RuntimeWarning, stacklevel=5)
-        return _FAILED, None
+        return _FAILED, check.whole()
     if saved is not None:
         saved_graphs.save(saved_key, saved)
     seconds = time.perf_counter() - start
@@ -719,9 +778,11 @@ HALF_LOGITS_TOLERANCE, _HALF_COMPLETENESS = 5e-2, 2e-2
 
 
 def _mismatch(got: BackendExplanation, want: BackendExplanation, x: torch.Tensor,
-              dtype: torch.dtype) -> str | None:
-    """Why ``got`` is not the fused backend's explanation ``want``, or None, to the tolerance of
-    ``dtype``, the least precise type the explanation computes in (:func:`computing_dtype`).
+              dtype: torch.dtype, rows: torch.Tensor | None = None) -> str | None:
+    """Why ``got``, the explanation of ``x``, is not the fused backend's explanation ``want`` of its
+    samples ``rows`` (all where None), or None, to the tolerance of ``dtype``, the least precise type
+    the explanation computes in (:func:`computing_dtype`). Where ``want`` holds some samples, every
+    sample of ``got`` must also be complete, to the tolerance of ``dtype``.
 
     In half precision the weight and bias of two correct explanations that round
     differently can differ by tens of percent (a rounding flips a gate, and the backward
@@ -730,6 +791,11 @@ def _mismatch(got: BackendExplanation, want: BackendExplanation, x: torch.Tensor
     per read-out, to 2 % of the three terms' magnitudes plus four times the fused
     backend's own completeness error. The returned message has ``{}`` for the model's name.
     """
+    if rows is not None:
+        mismatch = _incomplete(got, x, REORDERED_TOLERANCE.get(dtype, _HALF_COMPLETENESS))
+        if mismatch:
+            return mismatch
+        got, x = _at(got, rows), x.index_select(0, rows)
     if dtype not in REORDERED_TOLERANCE:
         if relative_distance(got.logits, want.logits) > HALF_LOGITS_TOLERANCE:
             return "compiled explanation of {} gives logits that differ from the fused backend's by more " \
@@ -772,6 +838,15 @@ def computing_dtype(graph: torch.fx.Graph, x: torch.Tensor) -> torch.dtype:
     return max((dtype for dtype in dtypes if dtype.is_floating_point), key=lambda dtype: torch.finfo(dtype).eps)
 
 
+def _incomplete(explanation: BackendExplanation, x: torch.Tensor, tolerance: float) -> str | None:
+    """Why ``explanation`` of ``x`` is not complete to ``tolerance`` of each read-out's three terms, or None."""
+    error, scale = _completeness(explanation, x)
+    if bool((error > tolerance * scale).any()):
+        return "compiled explanation of {} is not complete (Σ C differs from the logit by more than " \
+               f"{tolerance:g} of |Σ C_w·x| + |Σ C_b| + |logit|)"
+    return None
+
+
 def _gradient_mismatch(got: BackendExplanation, want: BackendExplanation,
                        parameters: list[torch.Tensor], x: torch.Tensor, dtype: torch.dtype) -> str | None:
     """Why the parameter gradient of a random projection of ``got`` (the compiled graph's
@@ -804,5 +879,5 @@ def _completeness(explanation: BackendExplanation, x: torch.Tensor) -> tuple[tor
     weight, bias, explained = (t.double() for t in explanation[:3])
     inputs = x.double().unsqueeze(1) if weight.dim() > x.dim() else x.double()  # T read-outs
     weighted = (weight * inputs).flatten(explained.dim()).sum(-1)
-    biased = bias.flatten(explained.dim()).sum(-1)
+    biased = bias.flatten(explained.dim()).sum(-1) if bias.dim() > explained.dim() else bias  # no positions
     return (weighted + biased - explained).abs(), weighted.abs() + biased.abs() + explained.abs()

@@ -269,6 +269,29 @@ def _model_logits(output: Live, model_output: torch.Tensor | None) -> torch.Tens
     return model_output + (logits - model_output).detach()
 
 
+def share_ones_decisions(program: LinearizedProgram, rows: int, batch: int) -> list[tuple]:
+    """Give batches of ``batch`` samples the ones checks that forwards on ``rows`` samples of the
+    same shape decided by shapes (:class:`~omenn_kernels.linearize.values.OnesChecks`), where they
+    have none; returns the keys added, for :func:`forget_ones_decisions`. Right for a forward that
+    explains each sample on its own, whose ones are the same in every sample: what the check that
+    follows must show."""
+    decided = _ONES_DECIDED.setdefault(program, {})
+    added = []
+    for (shape, parameter_gradient), fills in list(decided.items()):
+        key = ((batch, *shape[1:]), parameter_gradient)
+        if shape and shape[0] == rows and key not in decided:
+            decided[key] = fills
+            added.append(key)
+    return added
+
+
+def forget_ones_decisions(program: LinearizedProgram, keys: list[tuple]) -> None:
+    """Drop the ones checks :func:`share_ones_decisions` gave, where its check failed."""
+    decided = _ONES_DECIDED.get(program, {})
+    for key in keys:
+        decided.pop(key, None)
+
+
 def explain_with(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
                  shared_ones: bool, implementation: Implementation,
                  parameter_gradient: ParameterGradient | None = None,

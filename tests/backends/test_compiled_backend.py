@@ -284,6 +284,42 @@ def test_a_compiled_graph_that_differs_is_not_used(monkeypatch):
     _assert_equal_explanations(explainer(x, 1), Explainer(model, backend="reference")(x, 1), torch.float64)
 
 
+def test_the_fused_check_explains_the_first_and_last_sample(traced, monkeypatch):
+    """A first call and a new batch size are checked against the fused explanation of two samples."""
+    model, _ = _model("mlp", torch.float64)
+    x = torch.randn(5, *_.shape[1:], dtype=torch.float64)
+    checked = []
+    explain_batch = fused.explain_batch
+
+    def recorded(program, model, images, *arguments):
+        if type(images) is torch.Tensor:  # not the trace's fake ones
+            checked.append(images.clone())
+        return explain_batch(program, model, images, *arguments)
+    monkeypatch.setattr(fused, "explain_batch", recorded)
+    explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
+    for batch in (x, torch.cat([x, x[:2].flip(0)])):
+        checked.clear()
+        _assert_equal_explanations(explainer(batch, 1), reference(batch, 1), torch.float64)
+        assert len(checked) == 1 and torch.equal(checked[0], batch[[0, -1]])
+
+
+def test_a_graph_wrong_on_a_sample_not_checked_against_fused_is_not_used(monkeypatch):
+    """Its incompleteness there has the fused backend explain the whole batch, which differs."""
+    model, _ = _model("mlp", torch.float64)
+    x = torch.randn(5, *_.shape[1:], dtype=torch.float64)
+
+    def wrong_in_the_middle(graph, example):
+        def run(*inputs):
+            weight, *rest = graph(*inputs)
+            return (weight.index_fill(0, torch.tensor([2]), 1.0), *rest)
+        return run
+    monkeypatch.setattr(compiled, "COMPILER", wrong_in_the_middle)
+    explainer = Explainer(model, backend="compiled")
+    with pytest.warns(RuntimeWarning, match="differs from the fused backend's in its weight"):
+        first = explainer(x, 1)
+    _assert_equal_explanations(first, Explainer(model, backend="reference")(x, 1), torch.float64)
+
+
 class _Float32RMSNorm(torch.nn.Module):
     """Hugging Face Llama's RMSNorm: computed in float32 whatever the input's type."""
 
