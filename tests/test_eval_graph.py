@@ -46,21 +46,22 @@ class InPlaceBlock(nn.Module):
         return self.head(F.silu(y + z).mean((2, 3)).to(torch.float64))
 
 
-class WriteIntoView(nn.Module):
-    def __init__(self) -> None:
+class _Linear(nn.Module):
+    def __init__(self, width: int = 5) -> None:
         super().__init__()
-        self.linear = nn.Linear(5, 5)
+        self.linear = nn.Linear(width, width)
 
+
+class WriteIntoView(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
         y[:, :2].mul_(3.0)
         return y
 
 
-class ViewReadBeforeWrite(nn.Module):
+class ViewReadBeforeWrite(_Linear):
     def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(6, 6)
+        super().__init__(6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x)
@@ -69,22 +70,14 @@ class ViewReadBeforeWrite(nn.Module):
         return pairs.sum(2) + y[:, :3]
 
 
-class WriteInLowerPrecision(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(5, 5)
-
+class WriteInLowerPrecision(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x).float()
         y.add_(x)  # rounds to float32, where ``add`` would not
         return y.double()
 
 
-class DropoutInTraining(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(5, 5)
-
+class DropoutInTraining(_Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(self.linear(x), 0.0, training=True)
 

@@ -376,6 +376,7 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
             return in_layout_of(given, channels_last, outputs)
         before_capture(x.device)  # an auto signature that is hot compiles here
         check = _FusedCheck(program, model, x, readout, parameter_gradient, trained)
+        check.share_ones_decisions()  # the trace reads no ones where shapes decide them
         with CAPTURE_LOCK:  # make_fx, like torch.export, holds process-wide dispatch modes while it traces
             compiled, outputs = _compiled(program, model, x, readout, parameter_gradient, trained, check, saved_key)
             _keep(program, key, compiled)
@@ -419,7 +420,8 @@ class _FusedCheck:
     fused backend explains the whole batch, which decides: a forward that mixes samples (a mean
     over the batch) differs on the pair alone, and its graph may still be right for this batch.
     The fused run on the pair also settles the ones checks (``OnesChecks``) that a trace of the
-    whole batch reads; they are dropped again where the pair does not decide.
+    whole batch reads (:meth:`share_ones_decisions`); they are dropped again where the pair does
+    not decide.
     """
 
     def __init__(self, program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
@@ -427,14 +429,18 @@ class _FusedCheck:
         self.program, self.model, self.x, self.readout = program, model, x, readout
         self.parameter_gradient, self.trained = parameter_gradient, trained
         self.rows = check_rows(program, x, parameter_gradient)
+        self.shared: list[tuple] = []
         if self.rows is None:
             self.expected = fused.explain_batch(program, model, x, readout, parameter_gradient)
-            self.shared: list[tuple] = []
         else:
             tensors = [t.index_select(0, self.rows) if _per_sample(t, x) else t for t in readout.tensors]
             self.expected = fused.explain_batch(program, model, x.index_select(0, self.rows),
                                                 readout.with_tensors(tensors), parameter_gradient)
-            self.shared = share_ones_decisions(program, len(self.rows), x.shape[0])
+
+    def share_ones_decisions(self) -> None:
+        """Give the whole batch the ones checks the fused run on the pair decided, for a trace."""
+        if self.rows is not None:
+            self.shared = share_ones_decisions(self.program, len(self.rows), self.x.shape[0])
 
     def mismatch(self, got: BackendExplanation, dtype: torch.dtype) -> str | None:
         """Why ``got`` is not the fused backend's explanation (see :func:`_mismatch`), or None."""
