@@ -9,7 +9,7 @@ graph has passed its checks, :func:`save` writes it next to Inductor's cache
 graph for the same key, its parameters bound from the model, ready to compile.
 
 The file holds the graph after its passes and the prelude of its parameter-only values
-(:mod:`~omenn_kernels.backends.parameter_only`), each as its code, with the model's
+(:mod:`~omenn_kernels.backends.parameter_only`), each node by node, with the model's
 parameters and buffers named (bound again by name on loading, so the graph reads the
 model's current tensors) and the graph's own constants (the shape-only values,
 :mod:`~omenn_kernels.backends.shape_only`) by value.
@@ -29,15 +29,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import io
+import importlib
 import logging
+import operator
 import os
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from ..atomic_file import write_atomically
 from ..capture import bound_tensors
@@ -99,34 +101,66 @@ def key(program: LinearizedProgram, model: torch.nn.Module, signature: tuple) ->
     return digest.hexdigest()
 
 
-def _skeleton(module: GraphModule, bound: dict[tuple, str], left_out: set[str] = frozenset()
-              ) -> tuple[bytes, dict[str, str]]:
-    """``module`` pickled without the model's tensors (nor the attributes ``left_out``), and per
-    model tensor left out the name it is bound under.
+@dataclass(frozen=True)
+class _Node:
+    """A reference to the node of this name, in a saved node's arguments."""
 
-    Every tensor attribute is pickled as a parameter: unpickling traces the graph's code again,
-    which keeps the names of parameters and renames other tensor attributes.
+    name: str
+
+
+def _target(node: Node) -> object:
+    """How a node's target is saved: an operator by its name (``aten.mm.default``), another function by
+    its module and name, an input, attribute or output by its string."""
+    target = node.target
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return ("op", str(target))
+    module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
+    if module is None or "<" in name or _resolved(("function", module, name)) is not target:
+        raise TypeError(f"the graph calls {target!r}, which cannot be found again by its name")
+    return ("function", module, name)
+
+
+def _resolved(target: object) -> object:
+    """The target that :func:`_target` saved."""
+    if isinstance(target, str):
+        return target
+    if target[0] == "op":
+        namespace, name, overload = target[1].split(".")
+        return getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    return operator.attrgetter(target[2])(importlib.import_module(target[1]))
+
+
+def _skeleton(module: GraphModule, bound: dict[tuple, str], left_out: set[str] = frozenset()) -> dict:
+    """``module`` as data: each node (its kind, name, target, arguments and the labels that outlining
+    repeated blocks reads, :mod:`.regions`), its own tensor constants by value, and per model tensor
+    it reads the name that tensor is bound under (the attributes ``left_out`` neither).
+
+    Rebuilt node for node (:func:`_bound`), the graph has the same code, so a later process finds
+    the compiled graph in Inductor's cache, which keys a graph by its code.
     """
-    attributes: dict[str, object] = {}
-    named: dict[str, str] = {}
+    nodes = []
     for node in module.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        value = getattr(module, node.target)
+        labels = {regions.REGION: node.meta.get(regions.REGION),
+                  regions.DESCRIBED: regions.described(node.meta["val"]) if "val" in node.meta
+                  else node.meta.get(regions.DESCRIBED)}
+        nodes.append((node.op, node.name, _target(node), torch.fx.node.map_arg(node.args, lambda n: _Node(n.name)),
+                      torch.fx.node.map_arg(node.kwargs, lambda n: _Node(n.name)),
+                      {key: label for key, label in labels.items() if label is not None}))
+    constants: dict[str, torch.Tensor] = {}
+    names: dict[str, str] = {}
+    for node in module.graph.find_nodes(op="get_attr"):
+        value = operator.attrgetter(node.target)(module)
         if not isinstance(value, torch.Tensor):
-            attributes[node.target] = value
-            continue
-        if node.target in left_out:
-            value = torch.empty(0, device="meta")
-        elif _tensor_key(value) in bound:
-            named[node.target] = bound[_tensor_key(value)]
-            value = torch.empty(0, device="meta")
-        attributes[node.target] = torch.nn.Parameter(value.detach(), requires_grad=False)
-    copy = torch.fx.Graph()  # a copy: a GraphModule takes its graph over
-    copy.output(copy.graph_copy(module.graph, {}))
-    buffer = io.BytesIO()
-    pickle.dump(GraphModule(attributes, copy), buffer)
-    return buffer.getvalue(), named
+            raise TypeError(f"the graph reads {node.target}, a {type(value).__name__}, not a tensor")
+        if "." in node.target:
+            raise ValueError(f"the graph reads {node.target}, an attribute of a submodule")
+        if _tensor_key(value) in bound:
+            names[node.target] = bound[_tensor_key(value)]
+        elif node.target not in left_out:
+            constants[node.target] = value.detach()
+    return {"nodes": nodes, "constants": constants, "names": names}
 
 
 def record(program: LinearizedProgram, model: torch.nn.Module, graph: GraphModule,
@@ -138,12 +172,7 @@ def record(program: LinearizedProgram, model: torch.nn.Module, graph: GraphModul
     derived = {node.target: (index[id(getattr(graph, node.target))], tuple(getattr(graph, node.target).stride()))
                for node in graph.graph.nodes
                if node.op == "get_attr" and id(getattr(graph, node.target)) in index}
-    # Per input and operation in order, what outlining repeated blocks reads (:mod:`.regions`): the
-    # saved code keeps no metadata.
-    labels = [(node.meta.get(regions.REGION), regions.described(node.meta["val"]) if "val" in node.meta else None)
-              for node in _labelled(graph)]
-    return {"flops": flops, "derived": derived, "regions": labels,
-            "graph": _skeleton(graph, bound, set(derived)),
+    return {"flops": flops, "derived": derived, "graph": _skeleton(graph, bound, set(derived)),
             "prelude": _skeleton(parameter_derived.prelude, bound) if parameter_derived else None}
 
 
@@ -151,7 +180,7 @@ def bound(saved: dict, program: LinearizedProgram, model: torch.nn.Module) -> Sa
     """The graph of a :func:`record`, reading ``model``'s tensors, its parameter-only values computed."""
     named = {name: t for name, t in bound_tensors(program.captured, model, differentiable=True).items()
              if isinstance(t, torch.Tensor)}
-    graph = _bound(saved["graph"], named)
+    derived: dict[str, torch.Tensor] = {}
     parameter_derived = None
     if saved["prelude"] is not None:
         prelude = _bound(saved["prelude"], named)
@@ -160,51 +189,44 @@ def bound(saved: dict, program: LinearizedProgram, model: torch.nn.Module) -> Sa
         values = list(fresh)
         for attribute, (index, stride) in saved["derived"].items():
             value = fresh[index]
-            values[index] = torch.empty_strided(value.shape, stride, dtype=value.dtype,
-                                                device=value.device).copy_(value)
-            setattr(graph, attribute, values[index])
+            values[index] = derived[attribute] = torch.empty_strided(
+                value.shape, stride, dtype=value.dtype, device=value.device).copy_(value)
         sources = [getattr(prelude, node.target) for node in prelude.graph.nodes if node.op == "get_attr"]
         parameter_derived = ParameterDerived(prelude, values, sources)
-    graph.recompile()
+    graph = _bound(saved["graph"], named, derived)
     graph.meta["matrix_flops"] = saved["flops"]
-    nodes = _labelled(graph)
-    if len(nodes) == len(saved["regions"]):
-        for node, (label, description) in zip(nodes, saved["regions"]):
-            if label is not None:
-                node.meta[regions.REGION] = label
-            if description is not None:
-                node.meta[regions.DESCRIBED] = description
     return SavedGraph(graph, parameter_derived)
 
 
-def _labelled(graph: GraphModule) -> list[torch.fx.Node]:
-    """The nodes that keep their order when the graph's code is traced again: its inputs and the
-    operations that read an input or attribute (operations of none, ``zeros`` and what is computed
-    from it alone, come back as constants)."""
-    constant: set[torch.fx.Node] = set()
-    labelled = []
-    for node in graph.graph.nodes:
-        if node.op == "call_function" and all(arg in constant for arg in node.all_input_nodes):
-            constant.add(node)
-        elif node.op in ("placeholder", "call_function"):
-            labelled.append(node)
-    return labelled
+def _bound(skeleton: dict, named: dict[str, torch.Tensor], derived: dict[str, torch.Tensor] | None = None
+           ) -> GraphModule:
+    """The module of a :func:`_skeleton`, reading the model's parameters and buffers themselves (as a
+    traced graph does, so that it sees them change, ``.data`` re-bound included), its own constants
+    and the ``derived`` values left out of the skeleton as buffers."""
+    graph = torch.fx.Graph()
+    built: dict[str, Node] = {}
 
+    def node_of(reference: _Node) -> Node:
+        return built[reference.name]
 
-def _bound(skeleton: tuple[bytes, dict[str, str]], named: dict[str, torch.Tensor]) -> GraphModule:
-    """The pickled module reading the model's parameters and buffers themselves (as a traced graph
-    does, so that it sees them change, ``.data`` re-bound included), its own constants as buffers."""
-    data, names = skeleton
-    module = pickle.loads(data)
-    for node in module.graph.nodes:
-        if node.op == "get_attr" and node.target in module._parameters:
-            own = module._parameters.pop(node.target)
-            value = named[names[node.target]] if node.target in names else own.data
-            if isinstance(value, torch.nn.Parameter):
-                module._parameters[node.target] = value
-            else:
-                module.register_buffer(node.target, value)
-    return module
+    for op, name, target, args, kwargs, labels in skeleton["nodes"]:
+        args = torch.fx.node.map_aggregate(args, lambda a: node_of(a) if isinstance(a, _Node) else a)
+        kwargs = torch.fx.node.map_aggregate(kwargs, lambda a: node_of(a) if isinstance(a, _Node) else a)
+        node = graph.create_node(op, _resolved(target), args, kwargs, name=name)
+        if node.name != name:
+            raise ValueError(f"the saved graph names two nodes {name}")
+        node.meta.update(labels)
+        built[name] = node
+    root = torch.nn.Module()
+    for target, name in skeleton["names"].items():
+        value = named[name]
+        if isinstance(value, torch.nn.Parameter):
+            root.register_parameter(target, value)
+        else:
+            root.register_buffer(target, value)
+    for target, value in {**skeleton["constants"], **(derived or {})}.items():
+        root.register_buffer(target, value)
+    return _LazyGraphModule(root, graph)  # its code generated where it is read or run: outlining makes new modules
 
 
 def save(file_key: str, saved: dict) -> None:

@@ -7,6 +7,7 @@ would be); tolerances are the fused backend's in float64, 1e-10 relative.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import pickle
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from omenn_kernels import Explainer
-from omenn_kernels.backends import compiled, direct_inductor
+from omenn_kernels.backends import compiled, regions, saved_graphs
 from omenn_kernels.capture import bound_tensors
 
 from test_compiled_backend import _assert_equal_explanations, _model
@@ -79,7 +80,7 @@ def test_a_damaged_or_wrongly_bound_saved_graph_is_traced_again(saving, caplog):
     explainer = Explainer(model, backend="fused")
     shapes = {name: tuple(t.shape) for name, t in bound_tensors(explainer.program(x)[0].captured, model).items()}
     record = pickle.loads(saved)
-    names = record["prelude"][1]
+    names = record["prelude"]["names"]
     first, second = next((a, b) for a in names for b in names
                          if a < b and names[a] != names[b] and shapes[names[a]] == shapes[names[b]])
     names[first], names[second] = names[second], names[first]
@@ -112,10 +113,35 @@ def test_a_graph_is_saved_whole_for_every_user_or_not_at_all(saving, monkeypatch
     assert path.suffix == ".pt" and path.stat().st_mode & 0o777 == 0o644
 
 
-def test_a_graph_that_writes_in_place_is_not_saved(saving, monkeypatch):
-    """Saved code computes an op of no inputs once, on loading: a graph that writes in place (not
-    functional) is traced again by every process."""
-    monkeypatch.setattr(direct_inductor, "functional", lambda graph: False)
-    model, x = _model("cnn", torch.float64)
-    _explained(model, x)
-    assert not list(saving.glob("*.pt"))
+def test_a_loaded_graph_computes_each_op_at_each_call_and_keeps_its_code(saving):
+    """A graph is saved node for node: rebuilt, it has the traced graph's code (Inductor's cache keys
+    a graph by its code), and an op of no inputs that the graph writes into in place is computed
+    again at each call, so no call sees another's writes."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    buffer = graph.call_function(torch.ops.aten.full.default, ([3],), {"fill_value": 1.0, "dtype": torch.float64})
+    graph.call_function(torch.ops.aten.add_.Tensor, (buffer, x))
+    doubled = graph.call_function(operator.mul, (buffer, graph.get_attr("scale")))
+    graph.output((doubled,))
+    module = torch.fx.GraphModule({"scale": torch.tensor(2.0, dtype=torch.float64)}, graph)
+    module.graph.find_nodes(op="get_attr")[0].meta[regions.REGION] = ("forward", "blocks.0")
+
+    loaded = saved_graphs._bound(pickle.loads(pickle.dumps(saved_graphs._skeleton(module, {}))), {})
+    assert loaded.code == module.code
+    assert loaded.graph.find_nodes(op="get_attr")[0].meta[regions.REGION] == ("forward", "blocks.0")
+    x = torch.rand(3, dtype=torch.float64)
+    for _ in range(2):
+        (got,) = loaded(x)
+        torch.testing.assert_close(got, 2 * (1 + x), rtol=0, atol=0)
+
+
+def test_a_graph_that_calls_a_function_not_found_by_name_is_not_saved(saving):
+    """A target that its module and name do not give back (a local function) cannot be saved."""
+    def local(tensor):
+        return tensor + 1
+
+    graph = torch.fx.Graph()
+    graph.output(graph.call_function(local, (graph.placeholder("x"),)))
+    module = torch.fx.GraphModule({}, graph)
+    with pytest.raises(TypeError, match="cannot be found again by its name"):
+        saved_graphs._skeleton(module, {})
