@@ -86,6 +86,7 @@ from typing import Callable
 import torch
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..capture import CAPTURE_LOCK, bound_tensors
@@ -95,7 +96,7 @@ from ..linearize.program import LinearizedProgram
 from ..linearize.values import channels_last as is_channels_last, traced_forwards
 from ..ops import traced_as_aten
 from ..readout import Readout
-from . import direct_inductor, fused, isa_probe, regions, saved_graphs
+from . import direct_inductor, fused, inductor_start, regions, saved_graphs
 from .executor import (BackendExplanation, ParameterGradient, forget_ones_decisions, held_pass, observing_steps,
                        share_ones_decisions)
 from .layout import in_layout_of, runs_channels_last
@@ -149,7 +150,8 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
     with a C++ wrapper where a first-order graph on the CPU is small (``CPP_WRAPPER_FLOPS_PER_THREAD``;
     where that fails, with the Python wrapper, logged at INFO); on the CPU, the Python wrapper's
     kernels are built as one C++ source per compile thread (:mod:`.one_build`), once Inductor's
-    probe of the vector instruction sets, started before the capture, has finished (:mod:`.isa_probe`).
+    probe of the vector instruction sets and its cache keys' hashes of torch's sources, started before
+    the capture, have finished (:mod:`.inductor_start`).
 
     The graph is already one aten graph, so it goes to Inductor directly (no Dynamo: no
     guards to check per call). A first-order explanation is compiled without autograd:
@@ -165,7 +167,7 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
 
     cuda = any(t.is_cuda for t in example)
     differentiable = any(t.requires_grad for t in example)
-    isa_probe.wait()
+    inductor_start.wait()
     cpp_wrapper = False
     if not cuda and not differentiable:
         flops = graph.meta["matrix_flops"] if "matrix_flops" in graph.meta else matrix_flops(graph)
@@ -468,9 +470,10 @@ def _at(explanation: BackendExplanation, rows: torch.Tensor | None) -> BackendEx
 
 def before_capture(device: torch.device) -> None:
     """Start what compiling on ``device`` needs and the capture of a program does not wait for:
-    on the CPU, Inductor's probe of the vector instruction sets (:mod:`.isa_probe`)."""
+    on the CPU, Inductor's probe of the vector instruction sets and the hashes of its cache keys
+    (:mod:`.inductor_start`)."""
     if device.type == "cpu" and COMPILER is inductor:
-        isa_probe.start()
+        inductor_start.start()
 
 
 def _saved_key(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
@@ -707,7 +710,9 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     start = time.perf_counter()
     mismatch = None
     try:
-        traced_graph, folded, traced_parameter_derived = traced()
+        # The passes change the traced graph several times: its code is generated once, where it is read or run.
+        with _use_lazy_graph_module(True):
+            traced_graph, folded, traced_parameter_derived = traced()
         failure = None
     except Exception as error:  # any failure of the toolchain falls back, never a wrong map
         failure = first_line(error)
