@@ -685,9 +685,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
             if mismatch:
                 return graph, None, None, mismatch, (packed, parameter_derived, None)
         saved = None
-        # Saved code computes an op of no inputs once, on loading: a graph that writes such a tensor in
-        # place would keep one call's writes for the next.
-        if saved_key is not None and direct_inductor.functional(graph):
+        if saved_key is not None:
             try:
                 # The graph is saved without its shapes: its FLOPs go with it.
                 saved = saved_graphs.record(program, model, graph, parameter_derived, matrix_flops(graph))
