@@ -32,7 +32,7 @@ class UnsupportedOpError(OmennError, NotImplementedError):
 
 
 class InputError(OmennError, ValueError):
-    """The input tensor is not something a vision model can be explained on."""
+    """The input (images, other features, or token ids with their attention mask) cannot be explained as given."""
 
 
 class TargetError(OmennError, ValueError):

@@ -16,11 +16,13 @@ from omenn_kernels import Explainer
 from omenn_kernels.backends import Backend, compiled, direct_inductor, inductor_start
 
 THREAD = "omenn-kernels-inductor-start"
+RAN = [THREAD, f"torch_key: {THREAD}", f"get_system: {THREAD}"]
 
 
 @pytest.fixture
 def probe(monkeypatch, tmp_path) -> SimpleNamespace:
-    """``ran``: the threads the probe ran on; it runs once ``release`` is set. No probe started before."""
+    """``ran``: the threads the probe ran on, then the hashes' (named); the probe runs once ``release``
+    is set. No probe started before."""
     state = SimpleNamespace(ran=[], release=threading.Event())
 
     def valid_vec_isa_list():
@@ -31,8 +33,10 @@ def probe(monkeypatch, tmp_path) -> SimpleNamespace:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # where a compiled graph is saved
     monkeypatch.setattr(inductor_start, "_thread", None)
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", valid_vec_isa_list)
-    monkeypatch.setattr(codecache, "torch_key", lambda: state.ran.append("torch_key"))
-    monkeypatch.setattr(codecache.CacheBase, "get_system", lambda: state.ran.append("get_system"))
+    monkeypatch.setattr(codecache, "torch_key",
+                        lambda: state.ran.append(f"torch_key: {threading.current_thread().name}"))
+    monkeypatch.setattr(codecache.CacheBase, "get_system",
+                        lambda: state.ran.append(f"get_system: {threading.current_thread().name}"))
     yield state
     state.release.set()
     inductor_start.wait()
@@ -48,7 +52,7 @@ def test_the_work_runs_once_on_its_own_thread(probe):
     assert probe.ran == []  # started, not waited for
     probe.release.set()
     inductor_start.wait()
-    assert probe.ran == [THREAD, "torch_key", "get_system"]
+    assert probe.ran == RAN
 
 
 @pytest.mark.parametrize("backend, device, starts", [("compiled", "cpu", True), ("auto", "cpu", False),
@@ -79,4 +83,4 @@ def test_inductor_compiles_once_the_probe_has_finished(probe, monkeypatch):
     monkeypatch.setattr(inductor_start, "wait", waited)
     monkeypatch.setattr(direct_inductor, "compile_graph", compile_graph)
     Explainer(_mlp(), backend="compiled", feature_dim=1)(torch.randn(2, 4))
-    assert events == [f"waited: {[THREAD, 'torch_key', 'get_system']}", "compiled"]
+    assert events == [f"waited: {RAN}", "compiled"]
