@@ -20,7 +20,8 @@ reshapes, whose inputs Inductor may lay out otherwise
 CUDA graphs on CUDA; on the CPU a C++ wrapper around the kernels of a graph of few
 FLOPs, see :func:`inductor`; on the CPU, the Python wrapper around a graph whose repeated
 blocks, a transformer's layers or a stage's bottlenecks, each call one shared subgraph that
-Inductor generates once, :mod:`~omenn_kernels.backends.regions`, and whose kernels are built as
+Inductor generates once, :mod:`~omenn_kernels.backends.regions`, whose kernels' vector strides
+skip a simplification, :mod:`~omenn_kernels.backends.vector_strides`, and whose kernels are built as
 one C++ source per compile thread, :mod:`~omenn_kernels.backends.one_build`). Most fused ops are
 traced as their aten math, so that Inductor fuses them with their neighbours
 (:func:`~omenn_kernels.ops.traced_as_aten`).
@@ -102,6 +103,7 @@ from .executor import (BackendExplanation, ParameterGradient, forget_ones_decisi
 from .layout import in_layout_of, runs_channels_last
 from .no_op_restrides import drop_no_op_restrides
 from .one_build import building_as_one
+from .vector_strides import affine_strides
 from .parameter_only import ParameterDerived, hoist_parameter_only
 from .packed_weights import (constant_kernels, forget_reordered_kernel, forget_reordered_kernels,
                              pack_constant_convolutions, packing_available)
@@ -148,8 +150,9 @@ def matrix_flops(graph: torch.fx.GraphModule, ops: set | None = None) -> int:
 def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callable:
     """``graph`` compiled by Inductor as one graph; under CUDA graphs where the inputs are on CUDA,
     with a C++ wrapper where a first-order graph on the CPU is small (``CPP_WRAPPER_FLOPS_PER_THREAD``;
-    where that fails, with the Python wrapper, logged at INFO); on the CPU, the Python wrapper's
-    kernels are built as one C++ source per compile thread (:mod:`.one_build`), once Inductor's
+    where that fails, with the Python wrapper, logged at INFO); on the CPU, the kernels' vector
+    strides of affine indices are taken without simplifying the index (:mod:`.vector_strides`) and
+    the Python wrapper's kernels are built as one C++ source per compile thread (:mod:`.one_build`), once Inductor's
     probe of the vector instruction sets and its cache keys' hashes of torch's sources, started before
     the capture, have finished (:mod:`.inductor_start`).
 
@@ -190,7 +193,7 @@ def inductor(graph: torch.fx.GraphModule, example: list[torch.Tensor]) -> Callab
             # (see regions) cannot take: the Python wrapper gets them fake and static.
             inputs = [fake_mode.from_tensor(t, static_shapes=True) for t in example] \
                 if fake_mode is not None and not cpp_wrapper else example
-            with contextlib.nullcontext() if cuda else building_as_one():
+            with contextlib.nullcontext() if cuda else building_as_one(), affine_strides():
                 if not cuda and not differentiable and direct_inductor.functional(graph):
                     try:
                         with inductor_config.patch({"layout_optimization": False}):
