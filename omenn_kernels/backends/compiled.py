@@ -447,10 +447,11 @@ class _FusedCheck:
         if self.rows is not None:
             self.shared = share_ones_decisions(self.program, len(self.rows), self.x.shape[0])
 
-    def mismatch(self, got: BackendExplanation, dtype: torch.dtype) -> str | None:
-        """Why ``got`` is not the fused backend's explanation (see :func:`_mismatch`), or None."""
+    def mismatch(self, got: BackendExplanation, dtype: torch.dtype, pair_decides: bool = False) -> str | None:
+        """Why ``got`` is not the fused backend's explanation (see :func:`_mismatch`), or None. With
+        ``pair_decides``, a mismatch on the pair is the answer: the whole batch is not explained."""
         mismatch = _mismatch(_detached(got), _detached(self.expected), self.x, dtype, self.rows)
-        if mismatch and self.rows is not None:
+        if mismatch and self.rows is not None and not pair_decides:
             self.whole()
             mismatch = _mismatch(_detached(got), _detached(self.expected), self.x, dtype)
         if mismatch is None and self.parameter_gradient is not None:
@@ -617,8 +618,10 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     (:func:`_gradient_mismatch`). A float32 graph on the CPU is first tried with its
     convolutions on oneDNN (:mod:`~omenn_kernels.backends.packed_weights`), on a copy of the
     trace, and compiled again with ATen's where that does not pass. oneDNN sums in another
-    order, which can flip a ReLU gate: that graph is run once uncompiled and checked the same
-    way before Inductor, where a failure costs an eager call rather than a compilation. No
+    order, which can flip a ReLU gate: that graph is run once uncompiled and checked before
+    Inductor, where a failure costs an eager call rather than a compilation; where the check's
+    pair of samples fails, ATen's are taken without the fused explanation of the whole batch
+    (which only a forward that mixes samples would need, and ATen's always serve). No
     other traced graph is run: a run costs about an eager call, and the compiled graph's
     check covers the trace. Returns ``_FAILED`` and the fused backend's explanation of the batch
     (after one warning naming the cause) where tracing or compiling fails or a check does not hold.
@@ -683,7 +686,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         if packed:  # oneDNN's sums can fail the check (see below): found on the traced graph, before Inductor
             with torch.no_grad():
                 replayed = BackendExplanation(*graph(*example))
-            mismatch = check.mismatch(replayed, dtype)
+            mismatch = check.mismatch(replayed, dtype, pair_decides=True)
             started = timed("check packed", started)
             if mismatch:
                 return graph, None, None, mismatch, (packed, parameter_derived, None)

@@ -13,9 +13,10 @@ import warnings
 import pytest
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from omenn_kernels import Explainer, native
-from omenn_kernels.backends import compiled
+from omenn_kernels.backends import compiled, fused
 from omenn_kernels.backends.packed_weights import packing_available
 from omenn_kernels.testing import change_in_every_way, randomize_, relative_distance
 
@@ -104,11 +105,21 @@ def test_float64_and_differentiable_explanations_keep_atens_convolutions(monkeyp
     assert not PACKED & set(_called(explainer, _images()))
 
 
-@pytest.mark.parametrize("fault", ["raises", "wrong map"])
-def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault, monkeypatch, caplog):
+@pytest.mark.parametrize("fault, batch", [("raises", 2), ("wrong map", 2), ("wrong map", 4)])
+def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault, batch, monkeypatch, caplog):
     """Where oneDNN's rounding (here: a forced fault) does not pass the checks against the fused
     backend, the signature is compiled with ATen's convolutions, without a warning, from the
-    same trace; the packed graph fails its check before it is compiled."""
+    same trace; the packed graph fails its check before it is compiled. In a batch of four, its
+    failure on the check's pair of samples decides: the fused backend explains the pair only."""
+    explained = []  # the batch sizes the fused backend explained (not traced)
+    explain_batch = fused.explain_batch
+
+    def counted_explain_batch(program, model, x, *args):
+        if not isinstance(x, FakeTensor):
+            explained.append(x.shape[0])
+        return explain_batch(program, model, x, *args)
+
+    monkeypatch.setattr(fused, "explain_batch", counted_explain_batch)
     compilations = []
     monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: compilations.append(graph) or graph)
     pack, make_fx, traces = compiled.pack_constant_convolutions, compiled.make_fx, []
@@ -130,12 +141,13 @@ def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault
         return replaced
 
     monkeypatch.setattr(compiled, "pack_constant_convolutions", faulty)
-    model, x = _model(), _images()
+    model, x = _model(), _images().repeat(batch // 2, 1, 1, 1)
     explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
     with warnings.catch_warnings(), caplog.at_level("INFO", logger="omenn_kernels.compiled"):
         warnings.filterwarnings("error", message="omenn_kernels")
         for _ in range(2):
             _assert_close(explainer(x, 1), reference(x, 1))
+    assert explained == [2]
     assert not PACKED & set(_called(explainer, x))
     assert "aten.convolution.default" in _called(explainer, x)
     assert any("with oneDNN's convolutions did not pass its checks" in r.getMessage() for r in caplog.records)
