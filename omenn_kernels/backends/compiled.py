@@ -103,12 +103,12 @@ from .executor import (BackendExplanation, ParameterGradient, forget_ones_decisi
 from .layout import in_layout_of, runs_channels_last
 from .no_op_restrides import drop_no_op_restrides
 from .one_build import building_as_one
-from .vector_strides import affine_strides
 from .parameter_only import ParameterDerived, hoist_parameter_only
 from .packed_weights import (constant_kernels, forget_reordered_kernel, forget_reordered_kernels,
                              pack_constant_convolutions, packing_available)
 from .shape_only import fold_shape_only
 from .strided_writes import scatter_strided_writes
+from .vector_strides import affine_strides
 from .views_as_reshapes import views_as_reshapes
 from .watched import Watch
 

@@ -5,9 +5,9 @@ considers vectorizing, how far the index moves when the vectorized loop variable
 (``stride_at_vec_range``). It first rewrites the index for a vector's range: each
 ``FloorDiv(var, d)`` and ``ModularIndexing(var, d, m)`` that is constant across a vector becomes a
 free symbol. Then it calls ``sympy.simplify`` on the whole index, and takes the stride as
-``simplify(index(var + 1) − index(var))``. ``sympy.simplify`` of a sum of a few products is slow
-(tens of milliseconds), and an explanation's graph asks for thousands of strides; most are of
-affine indices (``75648*x0 + 64*x1 + x2``) with nothing to rewrite.
+``simplify(index(var + 1) − index(var))``. ``sympy.simplify`` tries many rewrites of the whole
+expression, even of a sum of a few products, and an explanation's graph asks for thousands of
+strides; most are of affine indices (``75648*x0 + 64*x1 + x2``) with nothing to rewrite.
 
 Where the index holds neither ``FloorDiv`` nor ``ModularIndexing``, the rewrite changes nothing
 and the simplification of the index is an equivalence, so the stride is the same difference
