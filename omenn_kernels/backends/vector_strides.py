@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import sympy
+from torch.utils._sympy.functions import FloorDiv, ModularIndexing
 
 _active = threading.local()  # .on: whether this thread's strides skip the simplification
 _install_lock = threading.Lock()
@@ -45,8 +46,6 @@ def affine_strides() -> Iterator[None]:
 def stride_at_vec_range(index: sympy.Expr, var: sympy.Symbol, vec_length: int | None = None) -> sympy.Expr:
     """Inductor's ``stride_at_vec_range``; for an index without floor divisions or modulos, its
     stride without simplifying the index first (module docstring)."""
-    from torch.utils._sympy.functions import FloorDiv, ModularIndexing
-
     if getattr(_active, "on", False) and not index.has(FloorDiv, ModularIndexing):
         return _inductor["stride_at"](index, var)
     return _inductor["stride_at_vec_range"](index, var, vec_length)
