@@ -104,8 +104,8 @@ from .layout import in_layout_of, runs_channels_last
 from .no_op_restrides import drop_no_op_restrides
 from .one_build import building_as_one
 from .parameter_only import ParameterDerived, hoist_parameter_only
-from .packed_weights import (constant_kernels, forget_reordered_kernel, forget_reordered_kernels,
-                             pack_constant_convolutions, packing_available)
+from .packed_weights import (OneDNNConvolutions, constant_kernels, forget_reordered_kernel,
+                             forget_reordered_kernels, pack_constant_convolutions, packing_available)
 from .shape_only import fold_shape_only
 from .strided_writes import scatter_strided_writes
 from .vector_strides import affine_strides
@@ -435,12 +435,14 @@ class _FusedCheck:
         self.parameter_gradient, self.trained = parameter_gradient, trained
         self.rows = check_rows(program, x, parameter_gradient)
         self.shared: list[tuple] = []
+        self.expected = fused.explain_batch(program, model, *self._samples(), parameter_gradient)
+
+    def _samples(self) -> tuple[torch.Tensor, Readout]:
+        """The images and the read-out of the samples checked."""
         if self.rows is None:
-            self.expected = fused.explain_batch(program, model, x, readout, parameter_gradient)
-        else:
-            tensors = [t.index_select(0, self.rows) if _per_sample(t, x) else t for t in readout.tensors]
-            self.expected = fused.explain_batch(program, model, x.index_select(0, self.rows),
-                                                readout.with_tensors(tensors), parameter_gradient)
+            return self.x, self.readout
+        tensors = [t.index_select(0, self.rows) if _per_sample(t, self.x) else t for t in self.readout.tensors]
+        return self.x.index_select(0, self.rows), self.readout.with_tensors(tensors)
 
     def share_ones_decisions(self) -> None:
         """Give the whole batch the ones checks the fused run on the pair decided, for a trace."""
@@ -457,6 +459,16 @@ class _FusedCheck:
         if mismatch is None and self.parameter_gradient is not None:
             mismatch = _gradient_mismatch(got, self.expected, list(self.trained.values()), self.x, dtype)
         return mismatch
+
+    def onednn_mismatch(self, dtype: torch.dtype) -> str | None:
+        """Why the fused backend's explanation of the checked samples, computed as a graph with
+        oneDNN's convolutions computes it (:class:`~omenn_kernels.backends.packed_weights.OneDNNConvolutions`),
+        is not its own (see :func:`_mismatch`), or None."""
+        x, readout = self._samples()
+        with OneDNNConvolutions(traced_as_aten(x.device)):
+            got = fused.explain_batch(self.program, self.model, x, readout, self.parameter_gradient)
+        return _mismatch(_detached(got), _detached(self.expected), x, dtype,
+                         subject="explanation of {} with oneDNN's convolutions")
 
     def whole(self) -> BackendExplanation:
         """The fused backend's explanation of the whole batch."""
@@ -597,10 +609,10 @@ _FAILED = object()  # a signature whose trace or compilation failed: it runs on 
 
 # The stages of a compilation, as ``CompiledExplanation.stages`` names them: the trace of the
 # fused explanation (make_fx), the graph passes (shape-only folding, parameter-only hoisting,
-# packed convolutions), the check of a traced graph with packed convolutions against the fused
-# explanation, the graph saved for later processes and read back (:mod:`.saved_graphs`),
-# Inductor (the C++ compiler included), and the compiled graph's check run.
-STAGES = ("trace", "passes", "check packed", "save", "inductor", "check compiled")
+# packed convolutions), the check of the fused explanation with oneDNN's convolutions before a
+# graph with packed ones is compiled, the graph saved for later processes and read back
+# (:mod:`.saved_graphs`), Inductor (the C++ compiler included), and the compiled graph's check run.
+STAGES = ("trace", "passes", "check oneDNN", "save", "inductor", "check compiled")
 
 
 def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tensor, readout: Readout,
@@ -618,13 +630,16 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     (:func:`_gradient_mismatch`). A float32 graph on the CPU is first tried with its
     convolutions on oneDNN (:mod:`~omenn_kernels.backends.packed_weights`), on a copy of the
     trace, and compiled again with ATen's where that does not pass. oneDNN sums in another
-    order, which can flip a ReLU gate: that graph is run once uncompiled and checked before
-    Inductor, where a failure costs an eager call rather than a compilation; where the check's
-    pair of samples fails, ATen's are taken without the fused explanation of the whole batch
-    (which only a forward that mixes samples would need, and ATen's always serve). No
-    other traced graph is run: a run costs about an eager call, and the compiled graph's
-    check covers the trace. Returns ``_FAILED`` and the fused backend's explanation of the batch
-    (after one warning naming the cause) where tracing or compiling fails or a check does not hold.
+    order, which can flip a ReLU gate: before that graph is compiled, the fused backend explains
+    the check's samples once more as the graph computes them, with oneDNN's convolutions
+    (:class:`~omenn_kernels.backends.packed_weights.OneDNNConvolutions`), and where that fails
+    the check, ATen's are taken at the cost of a fused call of the samples rather than a
+    compilation. A packed graph's own check failing on the pair also takes ATen's, without the
+    fused explanation of the whole batch (which only a forward that mixes samples would need,
+    and ATen's always serve). No traced graph is run uncompiled: a run costs about an eager
+    call of the batch, and the compiled graph's check covers the trace. Returns ``_FAILED``
+    and the fused backend's explanation of the batch (after one warning naming the cause)
+    where tracing or compiling fails or a check does not hold.
 
     With a ``saved_key`` the graph that passes its check is saved for later processes
     (:mod:`~omenn_kernels.backends.saved_graphs`); the graph compiled is the one they will load
@@ -682,14 +697,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         views_as_reshapes(graph)
         graph.recompile()
         started = timed("passes", started)
-        dtype = computing_dtype(graph.graph, x)
-        if packed:  # oneDNN's sums can fail the check (see below): found on the traced graph, before Inductor
-            with torch.no_grad():
-                replayed = BackendExplanation(*graph(*example))
-            mismatch = check.mismatch(replayed, dtype, pair_decides=True)
-            started = timed("check packed", started)
-            if mismatch:
-                return graph, None, None, mismatch, (packed, parameter_derived, None)
+        dtype = computing_dtype(graph.graph, x)  # read on the traced graph: a saved one holds no values
         saved = None
         if saved_key is not None:
             try:
@@ -707,7 +715,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         started = timed("inductor", started)
         with torch.set_grad_enabled(differentiable):
             result = BackendExplanation(*compiled(*example))
-        mismatch = check.mismatch(result, dtype)
+        mismatch = check.mismatch(result, dtype, pair_decides=bool(packed))
         timed("check compiled", started)
         return graph, compiled, result, mismatch, counts
 
@@ -724,6 +732,23 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     # beyond the checks' tolerance (a ReLU gate flipped by a rounding), ATen's are kept.
     onednn = x.device.type == "cpu" and x.dtype == torch.float32 and not differentiable and packing_available() \
         and failure is None and _convolutions_weigh(traced_graph)
+
+    def without_onednn(why: str) -> None:
+        log.info("the explanation of %s with oneDNN's convolutions did not pass its checks (%s); compiling "
+                 "it with ATen's", type(model).__name__, why)
+        forget_reordered_kernels()
+
+    if onednn:
+        started = time.perf_counter()
+        try:
+            why = check.onednn_mismatch(computing_dtype(traced_graph.graph, x))
+            why = why and why.format(type(model).__name__)
+        except Exception as error:  # any failure of the toolchain: ATen's convolutions
+            why = first_line(error)
+        timed("check oneDNN", started)
+        if why:
+            without_onednn(why)
+            onednn = False
     for pack in ((True, False) if onednn else (False,)) if failure is None else ():
         try:
             graph, compiled, result, mismatch, (packed, parameter_derived, saved) = checked_and_compiled(
@@ -732,9 +757,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         except Exception as error:  # any failure of the toolchain falls back, never a wrong map
             failure = first_line(error)
         if pack and (failure or mismatch):
-            log.info("the explanation of %s with oneDNN's convolutions did not pass its checks (%s); compiling "
-                     "it with ATen's", type(model).__name__, failure or mismatch.format(type(model).__name__))
-            forget_reordered_kernels()
+            without_onednn(failure or mismatch.format(type(model).__name__))
         elif failure is None:
             break
     if failure is not None:
@@ -793,7 +816,8 @@ HALF_LOGITS_TOLERANCE, _HALF_COMPLETENESS = 5e-2, 2e-2
 
 
 def _mismatch(got: BackendExplanation, want: BackendExplanation, x: torch.Tensor,
-              dtype: torch.dtype, rows: torch.Tensor | None = None) -> str | None:
+              dtype: torch.dtype, rows: torch.Tensor | None = None,
+              subject: str = "compiled explanation of {}") -> str | None:
     """Why ``got``, the explanation of ``x``, is not the fused backend's explanation ``want`` of its
     samples ``rows`` (all where None), or None, to the tolerance of ``dtype``, the least precise type
     the explanation computes in (:func:`computing_dtype`). Where ``want`` holds some samples, every
@@ -804,27 +828,28 @@ def _mismatch(got: BackendExplanation, want: BackendExplanation, x: torch.Tensor
     carries the change), so the compiled graph is held there to what does not depend on
     rounding order: the logits (forward values), and completeness, ``Σ C_w·x + Σ C_b = ŷ``
     per read-out, to 2 % of the three terms' magnitudes plus four times the fused
-    backend's own completeness error. The returned message has ``{}`` for the model's name.
+    backend's own completeness error. The returned message names ``got`` as ``subject``, with
+    ``{}`` for the model's name.
     """
     if rows is not None:
-        mismatch = _incomplete(got, x, REORDERED_TOLERANCE.get(dtype, _HALF_COMPLETENESS))
+        mismatch = _incomplete(got, x, REORDERED_TOLERANCE.get(dtype, _HALF_COMPLETENESS), subject)
         if mismatch:
             return mismatch
         got, x = _at(got, rows), x.index_select(0, rows)
     if dtype not in REORDERED_TOLERANCE:
         if relative_distance(got.logits, want.logits) > HALF_LOGITS_TOLERANCE:
-            return "compiled explanation of {} gives logits that differ from the fused backend's by more " \
+            return f"{subject} gives logits that differ from the fused backend's by more " \
                    f"than {HALF_LOGITS_TOLERANCE:g} relative"
         error, scale = _completeness(got, x)
         if bool((error > _HALF_COMPLETENESS * scale + 4 * _completeness(want, x)[0]).any()):
-            return "compiled explanation of {} is not complete (Σ C differs from the logit by more than " \
+            return f"{subject} is not complete (Σ C differs from the logit by more than " \
                    f"{_HALF_COMPLETENESS:g} of |Σ C_w·x| + |Σ C_b| + |logit|, four times the fused backend's error " \
                    "added)"
         return None
     tolerance = REORDERED_TOLERANCE[dtype]
     for name in ("weight", "bias", "logit"):
         if relative_distance(getattr(got, name), getattr(want, name)) > tolerance:
-            return f"compiled explanation of {{}} differs from the fused backend's in its {name} by more than " \
+            return f"{subject} differs from the fused backend's in its {name} by more than " \
                    f"{tolerance:g} relative"
     return None
 
@@ -853,11 +878,13 @@ def computing_dtype(graph: torch.fx.Graph, x: torch.Tensor) -> torch.dtype:
     return max((dtype for dtype in dtypes if dtype.is_floating_point), key=lambda dtype: torch.finfo(dtype).eps)
 
 
-def _incomplete(explanation: BackendExplanation, x: torch.Tensor, tolerance: float) -> str | None:
-    """Why ``explanation`` of ``x`` is not complete to ``tolerance`` of each read-out's three terms, or None."""
+def _incomplete(explanation: BackendExplanation, x: torch.Tensor, tolerance: float,
+                subject: str = "compiled explanation of {}") -> str | None:
+    """Why ``explanation`` of ``x``, named ``subject``, is not complete to ``tolerance`` of each
+    read-out's three terms, or None."""
     error, scale = _completeness(explanation, x)
     if bool((error > tolerance * scale).any()):
-        return "compiled explanation of {} is not complete (Σ C differs from the logit by more than " \
+        return f"{subject} is not complete (Σ C differs from the logit by more than " \
                f"{tolerance:g} of |Σ C_w·x| + |Σ C_b| + |logit|)"
     return None
 

@@ -11,7 +11,9 @@ and each of their input gradients, call ``omenn::conv2d_packed_cpu`` and
 ``csrc/conv_packed.cpp``): ATen's oneDNN convolution and transposed convolution on a
 reordered copy of the kernel, which the C++ side keeps until the kernel changes (its
 version counter or storage), so that optimizer steps and refreshed folded kernels are seen;
-a replay reorders nothing. A write through ``.data`` moves neither: the compiled backend
+a replay reorders nothing. :class:`OneDNNConvolutions` computes eager ops as such a graph
+does: the compiled backend explains its check's samples under it before it compiles a
+packed graph (oneDNN sums in another order than ATen, which can flip a ReLU gate). A write through ``.data`` moves neither: the compiled backend
 watches the values of the model's own kernels that the packed ops read
 (:func:`constant_kernels`, :mod:`~omenn_kernels.backends.watched`) and has their
 reordered copies dropped (:func:`forget_reordered_kernel`) when they changed.
@@ -23,10 +25,14 @@ kernel's storage is freed (then dropped at the next packed call).
 from __future__ import annotations
 
 import operator
+from typing import Callable
 
 import torch
 from torch.fx import GraphModule, Node
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..linearize.registry import arguments
+from ..linearize.rules.conv import pair
 from ..native import available as native_available, load_cpu_kernels
 from ..ops.conv_bias import conv2d_input_grad_packed_cpu, conv2d_packed_cpu
 
@@ -118,6 +124,57 @@ def pack_constant_convolutions(module: GraphModule) -> int:
     return replaced
 
 
+class OneDNNConvolutions(TorchDispatchMode):
+    """Eager ops computed as a packed graph computes them: each op of ``decompositions`` (the
+    trace's table, :func:`~omenn_kernels.ops.traced_as_aten`) as its aten math, and in it and
+    elsewhere each float32 2-D convolution of a 4-D kernel, and each input gradient taken
+    alone, through the packed ops.
+
+    The compiled backend explains its check's samples under it before it compiles a packed
+    graph: whether oneDNN's summation order moves the explanation beyond the checks'
+    tolerance is then learnt at the cost of a fused call of those samples, not of an
+    uncompiled run of the whole batch. It runs below autograd: the ops it replaces keep their
+    autograd nodes (the fused ops' registered backwards, ATen's convolution backward), whose
+    backward ops it sees in turn. Every kernel is taken as a constant, as in a first-order
+    explanation; window sums of the ones (the graph folds them) run packed too, exactly, as
+    sums of ones.
+    """
+
+    def __init__(self, decompositions: dict[torch._ops.OpOverload, Callable]) -> None:
+        super().__init__()
+        self.decompositions = decompositions
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.decompositions:
+            with self:  # off inside its own handler: on again for the math's ops
+                return self.decompositions[func](*args, **kwargs)
+        if func in (aten.conv2d.default, aten.convolution.default):
+            if func is aten.conv2d.default:
+                x, weight, bias, stride, padding, dilation, groups = arguments(func, args, kwargs)
+                transposed, output_padding = False, [0]
+            else:
+                x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = \
+                    arguments(func, args, kwargs)
+            if not transposed and not any(output_padding) and _packable_values(x, weight):
+                return conv2d_packed_cpu(x, weight, bias, pair(stride), pair(padding), pair(dilation), groups,
+                                         _atens_layout(x, weight))
+        elif func is aten.convolution_backward.default:
+            grad, x, weight, _bias_sizes, stride, padding, dilation, transposed, output_padding, groups, mask = \
+                arguments(func, args, kwargs)
+            if list(mask) == [True, False, False] and not transposed and not any(output_padding) \
+                    and _packable_values(grad, weight):
+                return (conv2d_input_grad_packed_cpu(grad, weight, list(x.shape[2:]), stride, padding, dilation,
+                                                     groups, _atens_layout(grad, weight)), None, None)
+        return func(*args, **kwargs)
+
+
+def _atens_layout(activation: torch.Tensor, kernel: torch.Tensor) -> bool:
+    """Whether ATen's CPU convolution of these returns channels-last: where either is laid out so."""
+    return any(t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous()
+               for t in (activation, kernel))
+
+
 def _channels_last(value: object) -> bool | None:
     """Whether the traced result ``value`` is channels-last (False: contiguous; None: neither),
     the layout the packed op must return, as the graph after it was traced with it."""
@@ -129,15 +186,19 @@ def _channels_last(value: object) -> bool | None:
 
 
 def _packable(module: GraphModule, activation: object, weight: object) -> bool:
-    """Whether a convolution of ``activation`` with ``weight`` can run packed: a float32 4-D
-    activation and a float32 4-D CPU kernel that the graph holds as a constant (or a detached
-    view of one) with a version counter (an inference tensor has none)."""
+    """Whether a convolution of the graph's ``activation`` with ``weight`` can run packed: a
+    kernel that the graph holds as a constant (or a detached view of one), and values that
+    :func:`_packable_values` takes."""
     while isinstance(weight, Node) and weight.target in _ALIASES:
         weight = weight.args[0]
     if not isinstance(activation, Node) or not isinstance(weight, Node) or weight.op != "get_attr":
         return False
-    value = activation.meta.get("val")
-    kernel = operator.attrgetter(weight.target)(module)
-    return (isinstance(value, torch.Tensor) and value.dim() == 4 and value.dtype == torch.float32
+    return _packable_values(activation.meta.get("val"), operator.attrgetter(weight.target)(module))
+
+
+def _packable_values(activation: object, kernel: object) -> bool:
+    """Whether a convolution of ``activation`` with ``kernel`` can run packed: a float32 4-D
+    activation and a float32 4-D CPU kernel with a version counter (an inference tensor has none)."""
+    return (isinstance(activation, torch.Tensor) and activation.dim() == 4 and activation.dtype == torch.float32
             and isinstance(kernel, torch.Tensor) and kernel.dim() == 4 and kernel.dtype == torch.float32
             and kernel.device.type == "cpu" and not kernel.is_inference())

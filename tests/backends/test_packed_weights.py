@@ -16,8 +16,9 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from omenn_kernels import Explainer, native
-from omenn_kernels.backends import compiled, fused
+from omenn_kernels.backends import compiled, fused, packed_weights
 from omenn_kernels.backends.packed_weights import packing_available
+from omenn_kernels.ops import traced_as_aten
 from omenn_kernels.testing import change_in_every_way, randomize_, relative_distance
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this PyTorch has no oneDNN convolutions")
@@ -90,6 +91,36 @@ def test_every_convolution_and_input_gradient_runs_packed_and_follows_the_parame
         before = reorders()
 
 
+def test_under_onednn_convolutions_the_fused_explanation_is_the_packed_graphs(monkeypatch):
+    """The fused backend under ``OneDNNConvolutions`` runs every convolution and input gradient that
+    the packed graph runs through the packed ops (five and four; window sums of the ones too), and
+    gives the packed graph's explanation (run uncompiled) to 1e-6 relative, float32: the same ops."""
+    monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
+    model, x = _model(), _images()
+    packed_graph = Explainer(model, backend="compiled")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="omenn_kernels")
+        want = packed_graph(x, 1)
+    assert PACKED <= set(_called(packed_graph, x))
+    calls = {"convolution": 0, "input gradient": 0}
+    convolution, input_gradient = packed_weights.conv2d_packed_cpu, packed_weights.conv2d_input_grad_packed_cpu
+
+    def counted(name, op):
+        def call(activation, weight, *args):
+            calls[name] += weight.shape[:2] != (1, 1)  # not a window sum of the ones
+            return op(activation, weight, *args)
+        return call
+
+    monkeypatch.setattr(packed_weights, "conv2d_packed_cpu", counted("convolution", convolution))
+    monkeypatch.setattr(packed_weights, "conv2d_input_grad_packed_cpu", counted("input gradient", input_gradient))
+    explainer = Explainer(model, backend="fused")
+    with packed_weights.OneDNNConvolutions(traced_as_aten(x.device)):
+        got = explainer(x, 1)
+    assert calls == {"convolution": 5, "input gradient": 4}
+    for field in ("weight", "bias", "logit"):
+        assert relative_distance(getattr(got, field), getattr(want, field)) <= 1e-6, field
+
+
 def test_float64_and_differentiable_explanations_keep_atens_convolutions(monkeypatch):
     """oneDNN has no float64 convolution; a differentiable graph differentiates its convolutions."""
     monkeypatch.setattr(compiled, "COMPILER", lambda graph, example: graph)
@@ -105,12 +136,16 @@ def test_float64_and_differentiable_explanations_keep_atens_convolutions(monkeyp
     assert not PACKED & set(_called(explainer, _images()))
 
 
-@pytest.mark.parametrize("fault, batch", [("raises", 2), ("wrong map", 2), ("wrong map", 4)])
+@pytest.mark.parametrize("fault, batch", [("rounding", 2), ("rounding", 4), ("raises", 2), ("wrong graph", 2),
+                                          ("wrong graph", 4)])
 def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault, batch, monkeypatch, caplog):
-    """Where oneDNN's rounding (here: a forced fault) does not pass the checks against the fused
-    backend, the signature is compiled with ATen's convolutions, without a warning, from the
-    same trace; the packed graph fails its check before it is compiled. In a batch of four, its
-    failure on the check's pair of samples decides: the fused backend explains the pair only."""
+    """Where oneDNN's rounding does not pass the checks against the fused backend, the signature is
+    compiled with ATen's convolutions, without a warning, from the same trace. A fault of the
+    packed convolution itself (standing for oneDNN's rounding) is found on the fused explanation
+    of the check's samples with oneDNN's convolutions, before any packed graph is compiled; a
+    packing pass that raises, before it compiles; a wrong packed graph, by its compiled check.
+    The fused backend explains the check's pair (twice: with ATen's and with oneDNN's
+    convolutions), never the whole batch of four."""
     explained = []  # the batch sizes the fused backend explained (not traced)
     explain_batch = fused.explain_batch
 
@@ -129,30 +164,38 @@ def test_a_packed_graph_that_fails_its_checks_is_compiled_again_with_atens(fault
         return make_fx(*args, **kwargs)
 
     monkeypatch.setattr(compiled, "make_fx", counted_make_fx)
+    if fault == "rounding":
+        convolution = packed_weights.conv2d_packed_cpu
 
-    def faulty(graph: torch.fx.GraphModule) -> int:
-        if fault == "raises":
-            raise RuntimeError("no oneDNN here")
-        replaced = pack(graph)
-        for node in graph.graph.nodes:
-            if str(node.target) == "omenn.conv2d_packed_cpu.default":
-                node.update_arg(2, None)  # drop a bias
-        graph.recompile()
-        return replaced
+        def rounded_otherwise(x, weight, bias, *args):
+            return convolution(x, weight, None, *args)  # the bias dropped
 
-    monkeypatch.setattr(compiled, "pack_constant_convolutions", faulty)
+        monkeypatch.setattr(packed_weights, "conv2d_packed_cpu", rounded_otherwise)
+    else:
+        def faulty(graph: torch.fx.GraphModule) -> int:
+            if fault == "raises":
+                raise RuntimeError("no oneDNN here")
+            replaced = pack(graph)
+            for node in graph.graph.nodes:
+                if str(node.target) == "omenn.conv2d_packed_cpu.default":
+                    node.update_arg(2, None)  # drop a bias
+            graph.recompile()
+            return replaced
+
+        monkeypatch.setattr(compiled, "pack_constant_convolutions", faulty)
     model, x = _model(), _images().repeat(batch // 2, 1, 1, 1)
     explainer, reference = Explainer(model, backend="compiled"), Explainer(model, backend="reference")
     with warnings.catch_warnings(), caplog.at_level("INFO", logger="omenn_kernels.compiled"):
         warnings.filterwarnings("error", message="omenn_kernels")
         for _ in range(2):
             _assert_close(explainer(x, 1), reference(x, 1))
-    assert explained == [2]
+    assert explained == [2, 2]
     assert not PACKED & set(_called(explainer, x))
     assert "aten.convolution.default" in _called(explainer, x)
     assert any("with oneDNN's convolutions did not pass its checks" in r.getMessage() for r in caplog.records)
     assert len(traces) == 1
-    assert len(compilations) == 1  # the packed graph failed before Inductor
+    assert len(compilations) == (2 if fault == "wrong graph" else 1)  # the wrong graph's found compiled
+    assert not PACKED & {str(node.target) for node in compilations[-1].graph.nodes}
     native.load_cpu_kernels()
     assert torch.ops.omenn.clear_packed_weights() == 0  # the failed graph's kernels are not kept
 
@@ -172,19 +215,19 @@ class _PatchEmbedding(nn.Module):
 
 
 @pytest.mark.parametrize("model, dtype, events", [
-    ("convolutions", torch.float32, ["check", "compile", "check"]),
+    ("convolutions", torch.float32, ["check oneDNN", "compile", "check"]),
     ("convolutions", torch.float64, ["compile", "check"]),
     ("patch embedding", torch.float32, ["compile", "check"])])
-def test_only_a_graph_with_packed_convolutions_runs_before_it_is_compiled(model, dtype, events, monkeypatch):
-    """The checks against the fused backend, in the order they run: a float32 graph whose
-    convolutions weigh is packed, checked uncompiled, then compiled and checked again; a float64
-    graph (ATen's convolutions) and one whose convolutions are under a tenth of its products
-    are not packed, and are compiled and checked once."""
+def test_only_a_graph_to_be_packed_is_checked_with_onednn_before_it_is_compiled(model, dtype, events, monkeypatch):
+    """The checks against the fused backend, in the order they run: for a float32 graph whose
+    convolutions weigh, the fused explanation with oneDNN's convolutions, then the packed graph,
+    compiled; a float64 graph (ATen's convolutions) and one whose convolutions are under a tenth
+    of its products are not packed, and are compiled and checked once."""
     ran = []
     check = compiled._mismatch
 
     def recorded_check(*args, **kwargs):
-        ran.append("check")
+        ran.append("check oneDNN" if "oneDNN" in kwargs.get("subject", "") else "check")
         return check(*args, **kwargs)
 
     monkeypatch.setattr(compiled, "_mismatch", recorded_check)
