@@ -293,8 +293,10 @@ def bound_tensors(captured: CapturedModel, model: torch.nn.Module,
                   differentiable: bool = False) -> dict[str, object]:
     """The current parameters, buffers and constants of ``model`` for the graph's placeholders.
 
-    Detached, unless ``differentiable``: then what is computed from them can be
-    differentiated with respect to the model's parameters.
+    Those that require a gradient detached, unless ``differentiable``: then what is computed
+    from them can be differentiated with respect to the model's parameters. (A tensor that
+    requires none, a buffer or a frozen parameter, is taken as it is: a detached alias would
+    only add an op to each trace.)
     """
     with CAPTURE_LOCK:  # not while another thread's export has swapped in fake tensors
         named = dict(model.named_parameters(remove_duplicate=False))
@@ -305,7 +307,8 @@ def bound_tensors(captured: CapturedModel, model: torch.nn.Module,
             if target not in named:
                 raise CaptureError(f"the model no longer has the parameter or buffer '{target}' "
                                    "it was captured with; create a new Explainer")
-            values[name] = named[target] if differentiable else named[target].detach()
+            value = named[target]
+            values[name] = value if differentiable or not value.requires_grad else value.detach()
         else:
             values[name] = captured.program.constants[target]
     return values
