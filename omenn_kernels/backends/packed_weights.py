@@ -11,12 +11,14 @@ and each of their input gradients, call ``omenn::conv2d_packed_cpu`` and
 ``csrc/conv_packed.cpp``): ATen's oneDNN convolution and transposed convolution on a
 reordered copy of the kernel, which the C++ side keeps until the kernel changes (its
 version counter or storage), so that optimizer steps and refreshed folded kernels are seen;
-a replay reorders nothing. :class:`OneDNNConvolutions` computes eager ops as such a graph
-does: the compiled backend explains its check's samples under it before it compiles a
-packed graph (oneDNN sums in another order than ATen, which can flip a ReLU gate). A write through ``.data`` moves neither: the compiled backend
+a replay reorders nothing. A write through ``.data`` moves neither: the compiled backend
 watches the values of the model's own kernels that the packed ops read
 (:func:`constant_kernels`, :mod:`~omenn_kernels.backends.watched`) and has their
 reordered copies dropped (:func:`forget_reordered_kernel`) when they changed.
+
+oneDNN sums in another order than ATen, which can flip a ReLU gate: before it compiles a
+packed graph, the compiled backend explains its check's samples under
+:class:`OneDNNConvolutions`, which computes eager ops as such a graph does.
 
 The price is memory: one reordered copy of each such kernel per direction, kept until the
 kernel's storage is freed (then dropped at the next packed call).
