@@ -687,7 +687,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         timed("passes", started)
         return graph, folded, parameter_derived
 
-    def checked_and_compiled(graph: torch.fx.GraphModule, parameter_derived: ParameterDerived | None, pack: bool
+    def checked_and_compiled(graph: torch.fx.GraphModule, parameter_derived: ParameterDerived | None, pack: bool,
+                             dtype: torch.dtype
                              ) -> tuple[torch.fx.GraphModule, Callable | None, tuple | None, str | None, tuple]:
         started = time.perf_counter()
         if pack:  # on a copy of the graph (its tensors shared): the graph stays for ATen's convolutions
@@ -697,7 +698,6 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
         views_as_reshapes(graph)
         graph.recompile()
         started = timed("passes", started)
-        dtype = computing_dtype(graph.graph, x)  # read on the traced graph: a saved one holds no values
         saved = None
         if saved_key is not None:
             try:
@@ -732,6 +732,8 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     # beyond the checks' tolerance (a ReLU gate flipped by a rounding), ATen's are kept.
     onednn = x.device.type == "cpu" and x.dtype == torch.float32 and not differentiable and packing_available() \
         and failure is None and _convolutions_weigh(traced_graph)
+    # Read on the traced graph (the passes after it change no dtype; a saved graph holds no values).
+    dtype = computing_dtype(traced_graph.graph, x) if failure is None else None
 
     def without_onednn(why: str) -> None:
         log.info("the explanation of %s with oneDNN's convolutions did not pass its checks (%s); compiling "
@@ -741,7 +743,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     if onednn:
         started = time.perf_counter()
         try:
-            why = check.onednn_mismatch(computing_dtype(traced_graph.graph, x))
+            why = check.onednn_mismatch(dtype)
             why = why and why.format(type(model).__name__)
         except Exception as error:  # any failure of the toolchain: ATen's convolutions
             why = first_line(error)
@@ -752,7 +754,7 @@ def _compiled(program: LinearizedProgram, model: torch.nn.Module, x: torch.Tenso
     for pack in ((True, False) if onednn else (False,)) if failure is None else ():
         try:
             graph, compiled, result, mismatch, (packed, parameter_derived, saved) = checked_and_compiled(
-                traced_graph, traced_parameter_derived, pack)
+                traced_graph, traced_parameter_derived, pack, dtype)
             failure = None
         except Exception as error:  # any failure of the toolchain falls back, never a wrong map
             failure = first_line(error)
