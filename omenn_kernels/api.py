@@ -14,6 +14,7 @@ from .backends import Backend
 from .backends.executor import PARAMETER_GRADIENTS, ParameterGradient
 from .capture import ModelStructure, OutputSelector, capture, checked_selector, reference_parameter
 from .errors import InputError, InputTypeError, TargetError
+from .gc_paused import gc_paused
 from .linearize import LinearizedProgram, linearize
 from .readout import Readout, Readouts, Target, as_tensor, checked_readout, shown
 
@@ -223,8 +224,9 @@ class Explainer:
             if cached is not None:
                 return cached
             self._backend.before_capture(x.device)
-            captured = capture(self.model, x, self.output)
-            program = linearize(captured)
+            with gc_paused():
+                captured = capture(self.model, x, self.output)
+                program = linearize(captured)
             program.feature_dim = feature_axis(self.feature_dim, x)
             output = next(n for n in captured.graph.nodes if n.name == captured.output_name)
             shape = (x.shape[0], *output.meta["val"].shape[1:]) if output.meta["val"].dim() else ()

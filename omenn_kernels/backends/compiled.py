@@ -93,6 +93,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ..capture import CAPTURE_LOCK, bound_tensors
 from ..errors import first_line
 from ..folding import scale_gradients_not_kernels
+from ..gc_paused import gc_paused
 from ..linearize.program import LinearizedProgram
 from ..linearize.values import channels_last as is_channels_last, traced_forwards
 from ..ops import traced_as_aten
@@ -374,7 +375,8 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
     compiled = explanations(program).pop(key, None)
     if compiled is None:  # the first call of this signature: loaded, or eager, then traced, compiled and checked
         saved_key = _saved_key(program, model, x, readout, parameter_gradient, key)
-        loaded = _loaded(program, model, x, readout, saved_key) if saved_key is not None else None
+        with gc_paused():
+            loaded = _loaded(program, model, x, readout, saved_key) if saved_key is not None else None
         if loaded is not None:
             compiled, outputs = loaded
             _keep(program, key, compiled)
@@ -382,7 +384,8 @@ def explain_batch(program: LinearizedProgram, model: torch.nn.Module, x: torch.T
         before_capture(x.device)  # an auto signature that is hot compiles here
         check = _FusedCheck(program, model, x, readout, parameter_gradient, trained)
         check.share_ones_decisions()  # the trace reads no ones where shapes decide them
-        with CAPTURE_LOCK:  # make_fx, like torch.export, holds process-wide dispatch modes while it traces
+        # make_fx, like torch.export, holds process-wide dispatch modes while it traces
+        with CAPTURE_LOCK, gc_paused():
             compiled, outputs = _compiled(program, model, x, readout, parameter_gradient, trained, check, saved_key)
             _keep(program, key, compiled)
         return in_layout_of(given, channels_last, outputs if compiled is _FAILED else
