@@ -13,7 +13,8 @@ arguments Inductor's bindings take.
 
 Inductor's code cache keys a source by its text and compile command, so a later process
 loading the same graph from Inductor's cache with as many compile threads finds the
-libraries built. A kernel source with preprocessor lines other than ``#include`` and
+libraries built, and loads them without preparing Inductor's precompiled header
+(:func:`_built`). A kernel source with preprocessor lines other than ``#include`` and
 ``#pragma`` is built by Inductor as usual, and so is every kernel of a thread where the
 context is not active (another thread's ``torch.compile``, say).
 """
@@ -32,11 +33,14 @@ from typing import Any
 from ..errors import first_line
 
 log = logging.getLogger("omenn_kernels.compiled")
-_active = threading.local()  # .pending: the kernels collected and not yet built, on this thread
+# .pending: the kernels collected and not yet built, on this thread; .looking_up: see _built
+_active = threading.local()
 _install_lock = threading.Lock()
 _originals: dict[str, Callable] = {}
 
 _ENTRY = re.compile(r'extern\s+"C"\s+void\s+kernel\s*\(')
+# What a library looked up by _built names as its precompiled header: never built with it.
+_UNPREPARED_HEADER = "omenn-kernels-unprepared-header.h"
 
 
 @contextlib.contextmanager
@@ -70,6 +74,7 @@ class _Kernel:
 
 
 def _install() -> None:
+    from torch._inductor import codecache
     from torch._inductor.async_compile import AsyncCompile
 
     with _install_lock:
@@ -77,6 +82,7 @@ def _install() -> None:
             return
         _originals["cpp_pybinding"] = AsyncCompile.cpp_pybinding
         _originals["wait"] = AsyncCompile.wait
+        _originals["precompile_header"] = codecache._precompile_header
 
         def cpp_pybinding(self, argtypes: list[str], source_code: str):
             pending = getattr(_active, "pending", None)
@@ -92,8 +98,14 @@ def _install() -> None:
                     scope[name] = value.built()
             return _originals["wait"](self, scope)
 
+        def precompile_header(*args, **kwargs) -> str:
+            if getattr(_active, "looking_up", False):  # see _built: no build follows
+                return _UNPREPARED_HEADER
+            return _originals["precompile_header"](*args, **kwargs)
+
         AsyncCompile.cpp_pybinding = cpp_pybinding
         AsyncCompile.wait = wait
+        codecache._precompile_header = precompile_header
 
 
 def _mergeable(source: str) -> bool:
@@ -115,9 +127,9 @@ def _build(kernels: list[_Kernel]) -> None:
     parts = [kernels[start::threads] for start in range(threads)]
     try:
         with ThreadPoolExecutor(threads) as pool:
-            loads = [CppPythonBindingsCodeCache.load_async(_source(part), "cpu",
-                                                           submit_fn=pool.submit if threads > 1 else None)
-                     for part in parts]
+            sources = [_source(part) for part in parts]
+            loads = [_built(source) or CppPythonBindingsCodeCache.load_async(
+                source, "cpu", submit_fn=pool.submit if threads > 1 else None) for source in sources]
             modules = [load() for load in loads]
     except Exception as error:  # noqa: BLE001 — building together only saves time: each is built alone
         log.info("Inductor's kernels did not build as one source (%s); building them one by one",
@@ -130,6 +142,36 @@ def _build(kernels: list[_Kernel]) -> None:
             kernel.function = getattr(module, f"kernel_{index}")
     log.info("built %d of Inductor's kernels as %d C++ sources in %.1f s", len(kernels), threads,
              time.perf_counter() - started)
+
+
+class _NotBuilt(Exception):
+    """Raised where Inductor would start building a source (see :func:`_built`)."""
+
+
+def _not_built(build: Callable) -> None:
+    raise _NotBuilt
+
+
+def _built(source: str) -> Callable | None:
+    """The loader of ``source``'s library where it is in Inductor's cache already (built by an
+    earlier process), else None (nothing started).
+
+    Before it looks for a library, Inductor prepares its precompiled header, which runs the
+    preprocessor over the header and its includes (once per process, to key the header by
+    them), though the header only serves a build. So the library is looked for with the
+    header left unprepared on this thread (:func:`_install`; the library's key does not hold
+    the header): Inductor hands a source to ``submit_fn`` only where its library is missing,
+    and raising there leaves nothing behind.
+    """
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    _active.looking_up = True
+    try:
+        return CppPythonBindingsCodeCache.load_async(source, "cpu", submit_fn=_not_built)
+    except _NotBuilt:
+        return None
+    finally:
+        _active.looking_up = False
 
 
 def _source(kernels: list[_Kernel]) -> str:

@@ -26,12 +26,13 @@ def _several_kernels(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ..
 
 @pytest.fixture
 def sources(monkeypatch):
-    """Every C++ source that Inductor's Python-binding cache is asked to build, in order."""
+    """Every C++ source that Inductor's Python-binding cache is asked to build, in order, once each."""
     seen: list[str] = []
     load_async = CppPythonBindingsCodeCache.load_async
 
     def spy(main_code, *args, **kwargs):
-        seen.append(main_code)
+        if main_code not in seen:  # a source is looked up (see one_build._built), then built
+            seen.append(main_code)
         return load_async(main_code, *args, **kwargs)
 
     monkeypatch.setattr(CppPythonBindingsCodeCache, "load_async", staticmethod(spy))
@@ -59,6 +60,28 @@ def test_the_kernels_of_one_compilation_are_built_as_one_source_per_compile_thre
     assert len(merged) == 2, "one source per compile thread"
     assert sum(_kernels(source) for source in merged) == 3
     assert len(sources) == 2, "no kernel built on its own"
+    for got, want in zip(compiled(*example), _several_kernels(*example)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_library_built_by_an_earlier_process_is_loaded_without_preparing_the_header(sources, monkeypatch,
+                                                                                         tmp_path):
+    """Built from an empty cache with Inductor's precompiled header; in a process that finds the
+    libraries (Inductor's in-memory cache emptied), the header is not prepared."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(CppPythonBindingsCodeCache, "cache", {})  # what this process loaded: not seen
+    one_build._install()
+    prepared = []
+    prepare = one_build._originals["precompile_header"]
+    monkeypatch.setitem(one_build._originals, "precompile_header",
+                        lambda *args, **kwargs: prepared.append(args[0]) or prepare(*args, **kwargs))
+    _compiled(seed=4)
+    assert prepared, "built with the header"
+    prepared.clear()
+    monkeypatch.setattr(CppPythonBindingsCodeCache, "cache", {})  # as in a new process
+    compiled, example = _compiled(seed=4)
+    assert prepared == []
+    assert len([source for source in sources if _kernels(source)]) == 2
     for got, want in zip(compiled(*example), _several_kernels(*example)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
