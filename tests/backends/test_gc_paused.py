@@ -70,4 +70,4 @@ def test_capture_trace_compile_and_load_run_without_collections(collector_on, mo
         (kept,) = compiled.explanations(explainer.program(x)[0]).values()
         seen.append(("stages", tuple(kept.stages)[0]))
     assert seen == [("capture", False), ("compile", False), ("after", True), ("stages", "trace"),
-                         ("capture", False), ("compile", False), ("after", True), ("stages", "load")]
+                    ("capture", False), ("compile", False), ("after", True), ("stages", "load")]
